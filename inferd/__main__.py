@@ -1,0 +1,5 @@
+import sys
+
+from inferd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,187 @@
+"""The ``inferd`` command: arguments -> one config dataclass -> constructors."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from inferd.config import EngineConfig
+from inferd.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateConfig:
+    engine: EngineConfig
+    params: SamplingParams
+    prompt: str
+    # Wrap the prompt as a user message in the model's chat template.
+    chat: bool = False
+
+
+@dataclass
+class ChatConfig:
+    engine: EngineConfig
+    params: SamplingParams
+    system: str | None = None
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", "-m", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache memory (default: min(4 GiB, 20%% of RAM))")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per engine step")
+    g.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: one per core)")
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine events")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
+    g.add_argument("--temperature", "-t", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inferd", description="Self-hostable AI inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="print a completion of PROMPT")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
+    _engine_args(gen)
+    _sampling_args(gen, max_tokens=128)
+
+    chat = sub.add_parser("chat", help="chat with the model in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _engine_args(chat)
+    _sampling_args(chat, max_tokens=512)
+    return parser
+
+
+def _engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        kv_cache_memory_gb=a.kv_cache_memory_gb,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        num_threads=a.threads,
+    )
+
+
+def _sampling_params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        repetition_penalty=a.repetition_penalty,
+        seed=a.seed,
+        stop=a.stop,
+        ignore_eos=a.ignore_eos,
+    )
+
+
+def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    engine, params = _engine_config(a), _sampling_params(a)
+    if a.command == "generate":
+        return GenerateConfig(engine=engine, params=params, prompt=a.prompt, chat=a.chat)
+    return ChatConfig(engine=engine, params=params, system=a.system)
+
+
+def stream(engine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:  # noqa: ANN001
+    """Yield the text of one request as it is generated."""
+    engine.add_request("cli", prompt, params)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "cli":
+                    yield out.outputs[0].text_delta
+    finally:
+        engine.abort_request("cli")
+        engine.step()
+
+
+def run_generate(cfg: GenerateConfig) -> None:
+    from inferd.engine.engine import LLMEngine
+
+    engine = LLMEngine(cfg.engine)
+    prompt: str | list[int] = cfg.prompt
+    if cfg.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        print(cfg.prompt, end="", flush=True)
+    for delta in stream(engine, prompt, cfg.params):
+        print(delta, end="", flush=True)
+    print()
+
+
+def run_chat(cfg: ChatConfig) -> None:
+    from inferd.engine.engine import LLMEngine
+
+    engine = LLMEngine(cfg.engine)
+    history: list[dict] = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    print("inferd chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = history[:1] if cfg.system else []
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        text = engine.tokenizer.apply_chat_template(history)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        reply = []
+        try:
+            for delta in stream(engine, ids, cfg.params):
+                print(delta, end="", flush=True)
+                reply.append(delta)
+        except ValueError as e:  # e.g. the conversation outgrew the context
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv)
+        if isinstance(cfg, GenerateConfig):
+            run_generate(cfg)
+        else:
+            run_chat(cfg)
+    except ValueError as e:
+        print(f"inferd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Engine configuration: one dataclass, validated on construction.
+
+Configuration flows one way: CLI flags or ``LLM(**kwargs)`` -> ``EngineConfig``
+-> constructors. Nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    # A GGUF file or a Hugging Face directory; None means the embedded default model.
+    model: str | None = None
+    # "auto", "float32", "bfloat16" or "float16" (weights, activations and KV cache).
+    dtype: str = "auto"
+    # "auto", "cpu" or "cuda[:N]".
+    device: str = "auto"
+    # Context length; None takes the model's own.
+    max_model_len: int | None = None
+    block_size: int = 16
+    # Memory for the KV cache; None picks min(4 GiB, 20% of physical memory).
+    kv_cache_memory_gb: float | None = None
+    # Overrides the memory budget with an exact block count (tests, tuning).
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    seed: int = 0
+    # Intra-op threads for torch on CPU; None keeps torch's default (one per core).
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}") from None
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # On CPU float32 GEMV reads weights at full memory bandwidth while
+        # oneDNN's bf16 path does not yet (see benchmarks/), so float32 wins.
+        return torch.float32
+
+    def kv_cache_bytes(self) -> int:
+        if self.kv_cache_memory_gb is not None:
+            return int(self.kv_cache_memory_gb * _GiB)
+        return min(4 * _GiB, _physical_memory() // 5)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * _GiB

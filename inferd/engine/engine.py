@@ -1,0 +1,208 @@
+"""The engine: add requests, step, abort. One step is schedule -> run -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from inferd.config import EngineConfig
+from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.kv_cache import KVCacheManager
+from inferd.engine.output_processor import RequestState, check_stop, make_output
+from inferd.engine.outputs import RequestOutput
+from inferd.engine.request import Request, RequestStatus
+from inferd.engine.runner import ModelRunner, kv_cache_bytes_per_block
+from inferd.engine.sampler import Sampler
+from inferd.engine.scheduler import Scheduler, SchedulerConfig
+from inferd.models.default import default_model_path
+from inferd.models.loader import load_checkpoint
+from inferd.models.registry import build_model
+from inferd.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        start = time.perf_counter()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+
+        path = config.model if config.model is not None else default_model_path()
+        checkpoint = load_checkpoint(path)
+        self.model_path = str(checkpoint.path)
+        self.model_config = arch = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        model = build_model(arch, self.dtype, self.device)
+        model.load_weights(checkpoint.weights(self.dtype))
+        model.eval()
+
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length "
+                f"{arch.max_position_embeddings}"
+            )
+        per_block = kv_cache_bytes_per_block(arch, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes() // per_block)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            ),
+            self.kv_cache,
+        )
+        self.runner = ModelRunner(
+            model,
+            arch,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=self.dtype,
+            device=self.device,
+            sampler=Sampler(seed=config.seed),
+        )
+        self._states: dict[str, RequestState] = {}
+        self._child_to_state: dict[str, RequestState] = {}
+        # Outputs produced outside a step (aborts), returned by the next step.
+        self._pending: list[RequestOutput] = []
+        self.load_time_s = time.perf_counter() - start
+        logger.info(
+            "loaded %s (%s, %s) in %.2fs: %d KV blocks of %d tokens",
+            self.model_path, self.dtype, self.device, self.load_time_s, num_blocks, config.block_size,
+        )
+
+    # Requests in ------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError, leaving the engine untouched,
+        when the request is invalid or can never fit."""
+        params = params or SamplingParams()
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = self.scheduler.check_fits(len(ids), params.max_tokens)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.child(i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(child_id, ids, child_params, self.tokenizer.eos_token_ids, arrival)
+            child.max_tokens = max_tokens
+            children.append(child)
+        state = RequestState(
+            request_id=request_id,
+            prompt=text,
+            children=children,
+            detokenizers=[
+                IncrementalDetokenizer(self.tokenizer, ids, c.sampling_params) for c in children
+            ],
+        )
+        self._states[request_id] = state
+        for child in children:
+            self._child_to_state[child.request_id] = state
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now; their blocks are free before this returns and a
+        final output with finish_reason "abort" comes with the next step."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            state = self._states.pop(rid, None)
+            if state is None:
+                continue
+            for child in state.children:
+                if not child.is_finished:
+                    self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+                self._child_to_state.pop(child.request_id, None)
+            self._pending.append(make_output(state))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states) or bool(self._pending)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # One step ---------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
+            logger.exception("engine step failed; failing its %d requests", len(sched.scheduled))
+            return outputs + self._fail([s.request for s in sched.scheduled], e)
+        self.scheduler.update_after_step(sched)
+
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        for s in sched.scheduled:
+            req = s.request
+            sampled = result.sampled.get(req.request_id)
+            if sampled is None:
+                continue
+            token, logprobs = sampled
+            req.append_output_token(token)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            state = self._child_to_state[req.request_id]
+            detok = state.detokenizers[state.children.index(req)]
+            status = check_stop(req, detok, self.max_model_len)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+            touched[state.request_id] = state
+        for state in touched.values():
+            outputs.append(self._emit(state))
+        return outputs
+
+    def _emit(self, state: RequestState) -> RequestOutput:
+        out = make_output(state)
+        if out.finished:
+            self._states.pop(state.request_id, None)
+            for child in state.children:
+                self._child_to_state.pop(child.request_id, None)
+        return out
+
+    def _fail(self, requests: list[Request], error: Exception) -> list[RequestOutput]:
+        states: dict[str, RequestState] = {}
+        for req in requests:
+            state = self._child_to_state[req.request_id]
+            state.error = f"{type(error).__name__}: {error}"
+            states[state.request_id] = state
+        for state in states.values():
+            for child in state.children:
+                if not child.is_finished:
+                    self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+        return [self._emit(state) for state in states.values()]

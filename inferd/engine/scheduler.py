@@ -1,0 +1,178 @@
+"""Iteration-level scheduler under one token budget per step. No torch here.
+
+Every step gets ``max_num_batched_tokens`` tokens to hand out. Running
+requests come first, in admission order: a decoding request takes one token,
+a request still prefilling takes as much of its prompt as the budget allows,
+minus one token kept back for each running request behind it, so a long
+prompt is prefilled in chunks while the others keep decoding. What budget is
+left goes to waiting requests in arrival order, up to ``max_num_seqs``
+running at once.
+
+When the pool has no block for a running request, the most recently admitted
+running request is preempted: its blocks are freed, its progress reset, and it
+goes back to the front of the queue to be recomputed from its prompt and the
+tokens it already produced, so its output is the same as if it had never been
+preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from inferd.engine.kv_cache import KVCacheManager
+from inferd.engine.request import Request, RequestStatus
+from inferd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_num_seqs so every running request "
+                f"can decode each step, got {self.max_num_batched_tokens} < {self.max_num_seqs}"
+            )
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # Admission -------------------------------------------------------------
+
+    def check_fits(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Validate a request's size; returns its max_tokens resolved against
+        the context length. Raises ValueError when it can never run."""
+        limit = self.config.max_model_len
+        if prompt_len == 0:
+            raise ValueError("prompt must not be empty")
+        if prompt_len >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens, but the prompt "
+                f"has {prompt_len} tokens (prompt): leave room for at least one output token"
+            )
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion; max_tokens). Reduce the prompt or max_tokens."
+            )
+        blocks = self.kv_cache.blocks_needed(prompt_len + max_tokens)
+        if blocks > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV-cache blocks ({prompt_len} prompt + {max_tokens} "
+                f"max_tokens) but the whole cache holds {self.kv_cache.num_blocks}; "
+                "reduce max_tokens or give the KV cache more memory"
+            )
+        return max_tokens
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # One step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.time()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            behind = len(self.running) - i - 1
+            num_new = min(request.num_tokens - request.num_computed_tokens, max(1, budget - behind))
+            while self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                i += 1
+
+        if not out.preempted_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                if not self.kv_cache.has(request.request_id):
+                    request.num_computed_tokens = self.kv_cache.get_computed_blocks(
+                        request.request_id, request.all_token_ids
+                    )
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if self.kv_cache.allocate_slots(
+                    request.request_id, request.num_computed_tokens + num_new
+                ) is None:
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                if request.scheduled_time is None:
+                    request.scheduled_time = now
+                self.running.append(request)
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+        return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_new_tokens=num_new,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance the counters of every request that ran this step."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+
+    # Leaving ---------------------------------------------------------------
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out (finished, aborted or failed) and free its blocks."""
+        assert status.finished, status
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        request.status = status
+        request.finish_time = time.time()
+        self.kv_cache.free(request.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

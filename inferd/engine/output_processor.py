@@ -67,12 +67,15 @@ def make_output(state: RequestState) -> RequestOutput:
         reported = state.num_reported_tokens[i]
         state.num_reported_tokens[i] = child.num_output_tokens
         params = child.sampling_params
+        # The delta first: text is what has been released so far, so a
+        # streamed cumulative text never shows a held-back stop-string prefix.
+        delta = detok.get_delta(finished)
         completions.append(
             CompletionOutput(
                 index=i,
-                text=detok.output_text,
+                text=detok.emitted_text,
                 token_ids=list(child.output_token_ids),
-                text_delta=detok.get_delta(finished),
+                text_delta=delta,
                 new_token_ids=child.output_token_ids[reported:],
                 finish_reason=child.status.finish_reason,
                 stop_reason=child.stop_reason,

@@ -1,0 +1,274 @@
+"""Paged attention over a block-structured KV cache, on plain SDPA.
+
+Each layer's cache is a pair of ``(num_blocks, block_size, num_kv_heads,
+head_dim)`` tensors. The token at position ``p`` of a sequence whose block
+table is ``blocks`` lives in flat slot ``blocks[p // block_size] * block_size
++ p % block_size``.
+
+A step's flat batch is ordered single-token chunks (decodes) first, then
+multi-token chunks (prefill, possibly after earlier chunks already cached).
+Every step writes its K/V into the cache first and then attends:
+
+- all single-token rows in ONE SDPA call: each row's blocks are gathered with
+  one ``index_select`` from a padded block table, padding is masked by
+  sequence length, and the query heads sharing a KV head are folded into the
+  query-length axis so no K/V is repeated;
+- each multi-token chunk in its own SDPA call: causal on the chunk's fresh K/V
+  when nothing is cached before it, otherwise over its cached blocks with a
+  causal mask shifted by the context length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SeqChunk(NamedTuple):
+    """One sequence's share of a step, as the metadata builder needs it."""
+
+    context_len: int  # tokens already in the cache
+    query_len: int  # tokens run this step
+    block_ids: Sequence[int]  # the sequence's block table
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int  # first row of the chunk in the flat batch
+    query_len: int
+    context_len: int
+    # Blocks holding positions [0, context_len + query_len); None without context.
+    kv_block_ids: Tensor | None
+    # (query_len, context_len + query_len) bool, True = attend; None without context.
+    attn_mask: Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention layers need for one step; built once per step
+    and shared by all layers."""
+
+    slot_mapping: Tensor  # (T,) int64 cache slot of each row
+    num_decodes: int  # rows [0, num_decodes) are single-token chunks
+    # (num_decodes * decode_max_blocks,) int64: each decode row's block table,
+    # padded to decode_max_blocks with block 0 (masked out).
+    decode_block_ids: Tensor | None
+    decode_max_len: int  # longest decode sequence, including this step's token
+    # (num_decodes, 1, 1, decode_max_len) bool; None when no row needs padding.
+    decode_mask: Tensor | None
+    prefills: list[PrefillChunk]
+    # Most blocks one gather reads: the padded decode table, or the largest
+    # cached prefill context. Sizes ``workspace``.
+    gather_blocks: int = 0
+    # Flat scratch of at least 2 * gather_blocks * (block elements) in the
+    # cache dtype, reused by every layer for gathered K and V: fresh multi-MB
+    # allocations each layer cost page faults that dwarf the copy itself.
+    # None allocates per call.
+    workspace: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        expected = self.num_decodes + sum(p.query_len for p in self.prefills)
+        if self.slot_mapping.shape != (expected,):
+            raise ValueError(
+                f"slot_mapping must have shape ({expected},), got {tuple(self.slot_mapping.shape)}"
+            )
+        if self.num_decodes and self.decode_block_ids is None:
+            raise ValueError("decode_block_ids is required when num_decodes > 0")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def _slots(chunk: SeqChunk, block_size: int) -> list[int]:
+    slots: list[int] = []
+    pos, end = chunk.context_len, chunk.context_len + chunk.query_len
+    while pos < end:
+        index, offset = divmod(pos, block_size)
+        take = min(block_size - offset, end - pos)
+        base = chunk.block_ids[index] * block_size + offset
+        slots.extend(range(base, base + take))
+        pos += take
+    return slots
+
+
+def build_attention_metadata(
+    chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu"
+) -> AttentionMetadata:
+    """Metadata for a flat batch holding ``chunks`` in order; all single-token
+    chunks must come before the multi-token ones."""
+    num_decodes = 0
+    while num_decodes < len(chunks) and chunks[num_decodes].query_len == 1:
+        num_decodes += 1
+    slots: list[int] = []
+    for chunk in chunks:
+        if chunk.query_len <= 0:
+            raise ValueError(f"query_len must be positive, got {chunk.query_len}")
+        needed = -(-(chunk.context_len + chunk.query_len) // block_size)
+        if len(chunk.block_ids) < needed:
+            raise ValueError(
+                f"block table of {len(chunk.block_ids)} blocks cannot hold "
+                f"{chunk.context_len + chunk.query_len} tokens at block_size {block_size}"
+            )
+        slots.extend(_slots(chunk, block_size))
+
+    decode_block_ids = decode_mask = None
+    decode_max_len = 0
+    gather_blocks = 0
+    if num_decodes:
+        seq_lens = [c.context_len + 1 for c in chunks[:num_decodes]]
+        decode_max_len = max(seq_lens)
+        max_blocks = -(-decode_max_len // block_size)
+        table: list[int] = []
+        for chunk in chunks[:num_decodes]:
+            row = list(chunk.block_ids[:max_blocks])
+            table.extend(row + [0] * (max_blocks - len(row)))
+        decode_block_ids = torch.tensor(table, dtype=torch.int64, device=device)
+        gather_blocks = len(table)
+        if min(seq_lens) != decode_max_len:
+            lens = torch.tensor(seq_lens, device=device)
+            mask = torch.arange(decode_max_len, device=device) < lens[:, None]
+            decode_mask = mask.view(num_decodes, 1, 1, decode_max_len)
+
+    prefills: list[PrefillChunk] = []
+    start = num_decodes
+    for chunk in chunks[num_decodes:]:
+        if chunk.query_len == 1:
+            raise ValueError("single-token chunks must come before multi-token chunks")
+        kv_block_ids = attn_mask = None
+        if chunk.context_len:
+            kv_len = chunk.context_len + chunk.query_len
+            blocks = list(chunk.block_ids[: -(-kv_len // block_size)])
+            kv_block_ids = torch.tensor(blocks, dtype=torch.int64, device=device)
+            gather_blocks = max(gather_blocks, len(blocks))
+            # Query i sits at position context_len + i and sees keys 0..that.
+            attn_mask = torch.ones(
+                chunk.query_len, kv_len, dtype=torch.bool, device=device
+            ).tril(diagonal=chunk.context_len)
+        prefills.append(
+            PrefillChunk(start, chunk.query_len, chunk.context_len, kv_block_ids, attn_mask)
+        )
+        start += chunk.query_len
+
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decodes=num_decodes,
+        decode_block_ids=decode_block_ids,
+        decode_max_len=decode_max_len,
+        decode_mask=decode_mask,
+        prefills=prefills,
+        gather_blocks=gather_blocks,
+    )
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        """``q`` (T, H, D), ``k``/``v`` (T, KVH, D) -> (T, H * D)."""
+        num_tokens = q.shape[0]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+
+        nd = meta.num_decodes
+        if nd == num_tokens:
+            return self._decode(q, k_cache, v_cache, meta).view(num_tokens, -1)
+        out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = self._prefill(
+                q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.workspace
+            )
+        return out.view(num_tokens, -1)
+
+    def _gather(
+        self,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_ids: Tensor,
+        rows: int,
+        length: int,
+        workspace: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The cached K and V of ``rows`` sequences, each (rows, KVH, length, D)."""
+        out: list[Tensor] = []
+        shape = (block_ids.shape[0], *k_cache.shape[1:])
+        size = block_ids.shape[0] * k_cache[0].numel()
+        for i, cache in enumerate((k_cache, v_cache)):
+            if workspace is None:
+                gathered = cache.index_select(0, block_ids)
+            else:
+                buffer = workspace[i * size : (i + 1) * size].view(shape)
+                gathered = torch.index_select(cache, 0, block_ids, out=buffer)
+            gathered = gathered.view(rows, -1, self.num_kv_heads, self.head_dim)
+            out.append(gathered[:, :length].transpose(1, 2))
+        return out[0], out[1]
+
+    def _decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
+        rows = q.shape[0]
+        keys, values = self._gather(
+            k_cache, v_cache, meta.decode_block_ids, rows, meta.decode_max_len, meta.workspace
+        )
+        group = self.num_heads // self.num_kv_heads
+        # Query heads j*group .. j*group+group-1 share KV head j; as a query
+        # axis of length `group` they need no repeated K/V.
+        q = q.view(rows, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=meta.decode_mask, scale=self.scale
+        )  # (B, KVH, group, D)
+        return out.reshape(rows, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        chunk: PrefillChunk,
+        workspace: Tensor | None,
+    ) -> Tensor:
+        q = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+        if chunk.kv_block_ids is None:
+            keys = k.transpose(0, 1).unsqueeze(0)  # (1, KVH, n, D)
+            values = v.transpose(0, 1).unsqueeze(0)
+        else:
+            kv_len = chunk.context_len + chunk.query_len
+            keys, values = self._gather(k_cache, v_cache, chunk.kv_block_ids, 1, kv_len, workspace)
+        # SDPA's fast CPU kernel takes GQA only with 4-D inputs.
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=chunk.attn_mask,
+            is_causal=chunk.attn_mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )  # (1, H, n, D)
+        return out[0].transpose(0, 1)

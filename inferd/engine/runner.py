@@ -1,0 +1,198 @@
+"""Runs one scheduled step on the model: owns the KV cache tensors.
+
+The scheduler's ``SchedulerOutput`` names the requests, how many of each
+one's tokens run this step and their block tables; the runner turns that into
+flat input ids, positions and one ``AttentionMetadata``, runs the model, and
+computes logits only at the last token of each chunk that samples. Rows are
+reordered so single-token chunks (decodes) come first, which lets attention
+batch them; the output is keyed by request id, so the order never leaks.
+The runner never mutates requests: the engine advances them after the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from inferd.engine.request import Request
+from inferd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from inferd.layers.attention import SeqChunk, build_attention_metadata
+from inferd.models.config import ModelArchConfig
+from inferd.types import TopLogprobs
+
+# (chosen token's logprob, top alternatives)
+LogprobsEntry = tuple[float, TopLogprobs]
+
+
+class SamplerResult(Protocol):
+    token_ids: list[int]
+    logprobs: list[LogprobsEntry | None]
+
+
+Sampler = Callable[[Tensor, list[Request]], SamplerResult]
+
+
+@dataclass
+class GreedyOutput:
+    token_ids: list[int]
+    logprobs: list[LogprobsEntry | None]
+
+
+def greedy_sample(logits: Tensor, requests: list[Request]) -> GreedyOutput:
+    """Argmax per row, no logprobs: the fallback when no sampler is given."""
+    token_ids = logits.argmax(dim=-1).tolist()
+    return GreedyOutput(token_ids, [None] * len(token_ids))
+
+
+@dataclass
+class RunnerOutput:
+    # request id -> (token id, logprobs entry or None), for requests that sampled.
+    sampled: dict[str, tuple[int, LogprobsEntry | None]]
+
+
+def kv_cache_bytes_per_block(config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    per_layer = block_size * config.num_key_value_heads * config.head_dim
+    return 2 * config.num_hidden_layers * per_layer * dtype.itemsize
+
+
+@dataclass
+class _StepInputs:
+    input_ids: Tensor  # (T,)
+    positions: Tensor  # (T,)
+    chunks: list[SeqChunk]
+    # Rows whose logits are sampled, and their requests in the same order.
+    sample_rows: Tensor  # (N,)
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelArchConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        sampler: Sampler | None = None,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.model = model
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.sampler: Sampler = sampler if sampler is not None else greedy_sample
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # Zeroed, not empty: padded decode rows read never-written slots, and
+        # masked-out NaN garbage would still poison the attention sum.
+        self.kv_caches: list[tuple[Tensor, Tensor]] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        self._block_numel = block_size * config.num_key_value_heads * config.head_dim
+        # Gather scratch shared by all layers; grows to the largest step seen.
+        self._workspace: Tensor | None = None
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Runs one step and samples a token for each request whose chunk
+        reaches the end of its known tokens."""
+        requests, logits = self.compute_logits(sched)
+        if not requests:
+            return RunnerOutput(sampled={})
+        result = self.sampler(logits, requests)
+        if len(result.token_ids) != len(requests) or len(result.logprobs) != len(requests):
+            raise ValueError(
+                f"sampler returned {len(result.token_ids)} tokens and "
+                f"{len(result.logprobs)} logprobs for {len(requests)} requests"
+            )
+        return RunnerOutput(
+            sampled={
+                req.request_id: (int(tok), lp)
+                for req, tok, lp in zip(requests, result.token_ids, result.logprobs)
+            }
+        )
+
+    def compute_logits(self, sched: SchedulerOutput) -> tuple[list[Request], Tensor]:
+        """Runs the step's forward; returns the sampling requests and their
+        (N, vocab) float32 logits."""
+        if sched.is_empty:
+            return [], torch.empty(0, self.config.vocab_size, device=self.device)
+        inputs = self._prepare(sched)
+        meta = build_attention_metadata(inputs.chunks, self.block_size, self.device)
+        meta.workspace = self._workspace_for(meta.gather_blocks)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            if not inputs.sample_requests:
+                return [], torch.empty(0, self.config.vocab_size, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        return inputs.sample_requests, logits
+
+    def _workspace_for(self, gather_blocks: int) -> Tensor | None:
+        needed = 2 * gather_blocks * self._block_numel
+        if needed == 0:
+            return None
+        if self._workspace is None or self._workspace.numel() < needed:
+            self._workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
+        return self._workspace
+
+    def _prepare(self, sched: SchedulerOutput) -> _StepInputs:
+        for item in sched.scheduled:
+            self._check(item)
+        # Stable: decodes first, each group in the scheduler's order.
+        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        chunks: list[SeqChunk] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        for item in ordered:
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            input_ids.extend(item.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            chunks.append(SeqChunk(start, item.num_new_tokens, item.block_ids))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(item.request)
+        return _StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            chunks=chunks,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sample_requests=sample_requests,
+        )
+
+    def _check(self, item: ScheduledRequest) -> None:
+        rid = item.request.request_id
+        if item.num_new_tokens <= 0:
+            raise ValueError(
+                f"request {rid}: num_new_tokens must be positive, got {item.num_new_tokens}"
+            )
+        end = item.num_computed_tokens + item.num_new_tokens
+        if item.num_computed_tokens < 0 or end > item.request.num_tokens:
+            raise ValueError(
+                f"request {rid}: tokens {item.num_computed_tokens}..{end} exceed "
+                f"its {item.request.num_tokens} known tokens"
+            )
+        needed = -(-end // self.block_size)
+        if len(item.block_ids) < needed:
+            raise ValueError(
+                f"request {rid}: {len(item.block_ids)} blocks cannot hold {end} tokens "
+                f"at block_size {self.block_size}"
+            )
+        bad = [b for b in item.block_ids[:needed] if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"request {rid}: block ids {bad} are outside 0..{self.num_blocks - 1}")

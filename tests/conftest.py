@@ -22,11 +22,16 @@ def llm(default_model_path):
 
 @pytest.fixture(scope="session")
 def hf_model(default_model_path):
-    """transformers' own loading of the same GGUF, float32: the reference."""
+    """transformers' own loading of the same GGUF, float32: the reference.
+
+    Its generation config has no EOS, so generate() runs to max_new_tokens
+    the way inferd's ignore_eos does (min_new_tokens would instead mask EOS
+    out of the logits and change the greedy choice)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
     )
+    model.generation_config.eos_token_id = None
     return model.eval()

@@ -4,13 +4,14 @@ The scheduler's ``SchedulerOutput`` names the requests, how many of each
 one's tokens run this step and their block tables; the runner turns that into
 flat input ids, positions and one ``AttentionMetadata``, runs the model, and
 computes logits only at the last token of each chunk that samples. Rows are
-reordered so single-token chunks (decodes) come first, which lets attention
-batch them; the output is keyed by request id, so the order never leaks.
+reordered so single-token chunks (decodes) come first, longest first, which
+lets attention batch them by length; the output is keyed by request id, so the order never leaks.
 The runner never mutates requests: the engine advances them after the step.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -60,6 +61,24 @@ def kv_cache_bytes_per_block(config: ModelArchConfig, block_size: int, dtype: to
     return 2 * config.num_hidden_layers * per_layer * dtype.itemsize
 
 
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero-filled tensor; on CPU backed by anonymous memory, whose pages
+    read as zero and are committed only when first written, so the unused
+    part of a KV budget costs no resident memory.
+
+    Zeroed, not empty: padded decode rows read never-written slots, and
+    masked-out NaN garbage would still poison the attention sum.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
+    # The tensor holds a reference to the buffer and keeps it mapped.
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
 @dataclass
 class _StepInputs:
     input_ids: Tensor  # (T,)
@@ -94,15 +113,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler: Sampler = sampler if sampler is not None else greedy_sample
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # Zeroed, not empty: padded decode rows read never-written slots, and
-        # masked-out NaN garbage would still poison the attention sum.
-        self.kv_caches: list[tuple[Tensor, Tensor]] = [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(config.num_hidden_layers)
-        ]
+        pool = _zeroed((config.num_hidden_layers, 2, *shape), dtype, self.device)
+        self.kv_caches: list[tuple[Tensor, Tensor]] = [(layer[0], layer[1]) for layer in pool]
         self._block_numel = block_size * config.num_key_value_heads * config.head_dim
         # Gather scratch shared by all layers; grows to the largest step seen.
         self._workspace: Tensor | None = None
@@ -152,8 +164,12 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> _StepInputs:
         for item in sched.scheduled:
             self._check(item)
-        # Stable: decodes first, each group in the scheduler's order.
-        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes first, longest first, so attention can group rows of
+        # similar length; then prefill chunks in the scheduler's order.
+        ordered = sorted(
+            sched.scheduled,
+            key=lambda s: (s.num_new_tokens != 1, -s.num_computed_tokens if s.num_new_tokens == 1 else 0),
+        )
         input_ids: list[int] = []
         positions: list[int] = []
         chunks: list[SeqChunk] = []

@@ -9,10 +9,12 @@ A step's flat batch is ordered single-token chunks (decodes) first, then
 multi-token chunks (prefill, possibly after earlier chunks already cached).
 Every step writes its K/V into the cache first and then attends:
 
-- all single-token rows in ONE SDPA call: each row's blocks are gathered with
-  one ``index_select`` from a padded block table, padding is masked by
-  sequence length, and the query heads sharing a KV head are folded into the
-  query-length axis so no K/V is repeated;
+- single-token rows in as few SDPA calls as pay: consecutive rows of similar
+  length form a group whose blocks are gathered with one ``index_select``
+  from a block table padded to the group's longest sequence, padding is
+  masked by sequence length, and the query heads sharing a KV head are folded
+  into the query-length axis so no K/V is repeated. Rows sorted by length
+  (the runner sorts them) waste little on padding;
 - each multi-token chunk in its own SDPA call: causal on the chunk's fresh K/V
   when nothing is cached before it, otherwise over its cached blocks with a
   causal mask shifted by the context length.
@@ -49,21 +51,35 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive single-token rows attended in one SDPA call."""
+
+    start: int  # first row of the group in the flat batch
+    num_rows: int
+    # (num_rows * max_blocks,) int64: each row's block table, padded to
+    # max_blocks with block 0 (masked out).
+    block_ids: Tensor
+    max_len: int  # longest sequence in the group, including this step's token
+    # (num_rows, 1, 1, max_len) bool; None when no row needs padding.
+    mask: Tensor | None
+
+
+# What one more SDPA call and gather cost, in blocks of K/V read: starting a
+# new group pays when it saves more padding than this.
+_GROUP_CALL_COST_BLOCKS = 64
+
+
+@dataclass
 class AttentionMetadata:
     """Everything the attention layers need for one step; built once per step
     and shared by all layers."""
 
     slot_mapping: Tensor  # (T,) int64 cache slot of each row
     num_decodes: int  # rows [0, num_decodes) are single-token chunks
-    # (num_decodes * decode_max_blocks,) int64: each decode row's block table,
-    # padded to decode_max_blocks with block 0 (masked out).
-    decode_block_ids: Tensor | None
-    decode_max_len: int  # longest decode sequence, including this step's token
-    # (num_decodes, 1, 1, decode_max_len) bool; None when no row needs padding.
-    decode_mask: Tensor | None
+    decodes: list[DecodeGroup]  # covering rows [0, num_decodes) in order
     prefills: list[PrefillChunk]
-    # Most blocks one gather reads: the padded decode table, or the largest
-    # cached prefill context. Sizes ``workspace``.
+    # Most blocks one gather reads: a decode group's padded table, or the
+    # largest cached prefill context. Sizes ``workspace``.
     gather_blocks: int = 0
     # Flat scratch of at least 2 * gather_blocks * (block elements) in the
     # cache dtype, reused by every layer for gathered K and V: fresh multi-MB
@@ -77,8 +93,8 @@ class AttentionMetadata:
             raise ValueError(
                 f"slot_mapping must have shape ({expected},), got {tuple(self.slot_mapping.shape)}"
             )
-        if self.num_decodes and self.decode_block_ids is None:
-            raise ValueError("decode_block_ids is required when num_decodes > 0")
+        if sum(g.num_rows for g in self.decodes) != self.num_decodes:
+            raise ValueError(f"decode groups must cover exactly {self.num_decodes} rows")
 
     @property
     def num_tokens(self) -> int:
@@ -117,23 +133,12 @@ def build_attention_metadata(
             )
         slots.extend(_slots(chunk, block_size))
 
-    decode_block_ids = decode_mask = None
-    decode_max_len = 0
+    decodes: list[DecodeGroup] = []
     gather_blocks = 0
-    if num_decodes:
-        seq_lens = [c.context_len + 1 for c in chunks[:num_decodes]]
-        decode_max_len = max(seq_lens)
-        max_blocks = -(-decode_max_len // block_size)
-        table: list[int] = []
-        for chunk in chunks[:num_decodes]:
-            row = list(chunk.block_ids[:max_blocks])
-            table.extend(row + [0] * (max_blocks - len(row)))
-        decode_block_ids = torch.tensor(table, dtype=torch.int64, device=device)
-        gather_blocks = len(table)
-        if min(seq_lens) != decode_max_len:
-            lens = torch.tensor(seq_lens, device=device)
-            mask = torch.arange(decode_max_len, device=device) < lens[:, None]
-            decode_mask = mask.view(num_decodes, 1, 1, decode_max_len)
+    for start, stop in _group_decodes([c.context_len + 1 for c in chunks[:num_decodes]], block_size):
+        group = _decode_group(chunks, start, stop, block_size, device)
+        decodes.append(group)
+        gather_blocks = max(gather_blocks, group.block_ids.shape[0])
 
     prefills: list[PrefillChunk] = []
     start = num_decodes
@@ -158,11 +163,53 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_decodes=num_decodes,
-        decode_block_ids=decode_block_ids,
-        decode_max_len=decode_max_len,
-        decode_mask=decode_mask,
+        decodes=decodes,
         prefills=prefills,
         gather_blocks=gather_blocks,
+    )
+
+
+def _group_decodes(seq_lens: Sequence[int], block_size: int) -> list[tuple[int, int]]:
+    """Splits rows into consecutive ``[start, stop)`` groups: a row joins the
+    current group unless padding the group to a common length costs more
+    than a call of its own."""
+    groups: list[tuple[int, int]] = []
+    start, widest = 0, 0  # current group, its longest row in blocks
+    for row, length in enumerate(seq_lens):
+        blocks = -(-length // block_size)
+        rows = row - start
+        joined = (rows + 1) * max(widest, blocks)
+        alone = rows * widest + blocks + _GROUP_CALL_COST_BLOCKS
+        if rows and joined > alone:
+            groups.append((start, row))
+            start, widest = row, blocks
+        else:
+            widest = max(widest, blocks)
+    if seq_lens:
+        groups.append((start, len(seq_lens)))
+    return groups
+
+
+def _decode_group(
+    chunks: Sequence[SeqChunk], start: int, stop: int, block_size: int, device: torch.device | str
+) -> DecodeGroup:
+    seq_lens = [c.context_len + 1 for c in chunks[start:stop]]
+    max_len = max(seq_lens)
+    max_blocks = -(-max_len // block_size)
+    table: list[int] = []
+    for chunk in chunks[start:stop]:
+        row = list(chunk.block_ids[:max_blocks])
+        table.extend(row + [0] * (max_blocks - len(row)))
+    mask = None
+    if min(seq_lens) != max_len:
+        lens = torch.tensor(seq_lens, device=device)
+        mask = (torch.arange(max_len, device=device) < lens[:, None]).view(-1, 1, 1, max_len)
+    return DecodeGroup(
+        start=start,
+        num_rows=stop - start,
+        block_ids=torch.tensor(table, dtype=torch.int64, device=device),
+        max_len=max_len,
+        mask=mask,
     )
 
 
@@ -192,12 +239,13 @@ class PagedAttention(nn.Module):
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
 
-        nd = meta.num_decodes
-        if nd == num_tokens:
-            return self._decode(q, k_cache, v_cache, meta).view(num_tokens, -1)
+        if len(meta.decodes) == 1 and not meta.prefills:
+            group = meta.decodes[0]
+            return self._decode(q, k_cache, v_cache, group, meta.workspace).view(num_tokens, -1)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        for group in meta.decodes:
+            rows = slice(group.start, group.start + group.num_rows)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, group, meta.workspace)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(
@@ -229,19 +277,24 @@ class PagedAttention(nn.Module):
         return out[0], out[1]
 
     def _decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        group: DecodeGroup,
+        workspace: Tensor | None,
     ) -> Tensor:
         rows = q.shape[0]
         keys, values = self._gather(
-            k_cache, v_cache, meta.decode_block_ids, rows, meta.decode_max_len, meta.workspace
+            k_cache, v_cache, group.block_ids, rows, group.max_len, workspace
         )
-        group = self.num_heads // self.num_kv_heads
-        # Query heads j*group .. j*group+group-1 share KV head j; as a query
-        # axis of length `group` they need no repeated K/V.
-        q = q.view(rows, self.num_kv_heads, group, self.head_dim)
+        per_kv = self.num_heads // self.num_kv_heads
+        # Query heads j*per_kv .. j*per_kv+per_kv-1 share KV head j; as a
+        # query axis of length `per_kv` they need no repeated K/V.
+        q = q.view(rows, self.num_kv_heads, per_kv, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=meta.decode_mask, scale=self.scale
-        )  # (B, KVH, group, D)
+            q, keys, values, attn_mask=group.mask, scale=self.scale
+        )  # (B, KVH, per_kv, D)
         return out.reshape(rows, self.num_heads, self.head_dim)
 
     def _prefill(

@@ -114,16 +114,32 @@ def test_decode_metadata_pads_block_tables_and_masks_by_length() -> None:
         [SeqChunk(5, 1, [3, 9]), SeqChunk(1, 1, [4]), SeqChunk(0, 6, [0, 1])], BLOCK_SIZE
     )
     assert meta.num_decodes == 2
-    assert meta.decode_max_len == 6
-    assert meta.decode_block_ids.tolist() == [3, 9, 4, 0]
-    assert meta.decode_mask.shape == (2, 1, 1, 6)
-    assert meta.decode_mask[:, 0, 0].tolist() == [[True] * 6, [True, True] + [False] * 4]
+    (group,) = meta.decodes
+    assert (group.start, group.num_rows, group.max_len) == (0, 2, 6)
+    assert group.block_ids.tolist() == [3, 9, 4, 0]
+    assert group.mask.shape == (2, 1, 1, 6)
+    assert group.mask[:, 0, 0].tolist() == [[True] * 6, [True, True] + [False] * 4]
     assert len(meta.prefills) == 1
     assert (meta.prefills[0].query_start, meta.prefills[0].query_len) == (2, 6)
     assert meta.prefills[0].attn_mask is None
 
     same_length = build_attention_metadata([SeqChunk(2, 1, [5]), SeqChunk(2, 1, [6])], BLOCK_SIZE)
-    assert same_length.decode_mask is None
+    assert same_length.decodes[0].mask is None
+
+
+def test_decode_rows_of_very_different_lengths_get_their_own_groups() -> None:
+    # With block_size 1, one long row padded onto many short ones would read
+    # far more padding than a second call costs.
+    long_row = SeqChunk(999, 1, list(range(1000)))
+    short_rows = [SeqChunk(9, 1, list(range(10))) for _ in range(8)]
+    meta = build_attention_metadata([long_row, *short_rows, long_row], 1)
+    assert [(g.start, g.num_rows, g.max_len) for g in meta.decodes] == [
+        (0, 1, 1000),
+        (1, 8, 10),
+        (9, 1, 1000),
+    ]
+    assert meta.decodes[1].mask is None
+    assert meta.gather_blocks == 1000
 
 
 def test_context_mask_is_causal_shifted_by_context() -> None:

@@ -26,6 +26,10 @@ from inferd.engine.request import Request, RequestStatus
 from inferd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
+class ContextLengthError(ValueError):
+    """A request longer than the context length or the whole KV cache."""
+
+
 @dataclass
 class SchedulerConfig:
     max_model_len: int
@@ -61,21 +65,21 @@ class Scheduler:
         if prompt_len == 0:
             raise ValueError("prompt must not be empty")
         if prompt_len >= limit:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens, but the prompt "
                 f"has {prompt_len} tokens (prompt): leave room for at least one output token"
             )
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion; max_tokens). Reduce the prompt or max_tokens."
             )
         blocks = self.kv_cache.blocks_needed(prompt_len + max_tokens)
         if blocks > self.kv_cache.num_blocks:
-            raise ValueError(
+            raise ContextLengthError(
                 f"request needs {blocks} KV-cache blocks ({prompt_len} prompt + {max_tokens} "
                 f"max_tokens) but the whole cache holds {self.kv_cache.num_blocks}; "
                 "reduce max_tokens or give the KV cache more memory"

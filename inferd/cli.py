@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from inferd.config import EngineConfig
 from inferd.sampling_params import SamplingParams
+from inferd.server.config import ServerConfig
 
 
 @dataclass
@@ -63,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(gen)
     _sampling_args(gen, max_tokens=128)
 
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="GGUF file or Hugging Face directory (default: the embedded model)")
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: the model file's name)")
+    g.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024, help="larger request bodies get 413")
+    g.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this many queued requests, 503")
+    g.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    g.add_argument("--log-format", default="plain", choices=["plain", "json"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _engine_args(serve)
+
     chat = sub.add_parser("chat", help="chat with the model in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
     _engine_args(chat)
@@ -96,8 +110,27 @@ def _sampling_params(a: argparse.Namespace) -> SamplingParams:
     )
 
 
-def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig:
+def _server_config(a: argparse.Namespace) -> ServerConfig:
+    if a.model_arg is not None and a.model is not None and a.model_arg != a.model:
+        raise ValueError(f"two models given: {a.model_arg!r} and --model {a.model!r}")
+    a.model = a.model or a.model_arg
+    return ServerConfig(
+        engine=_engine_config(a),
+        host=a.host,
+        port=a.port,
+        served_model_name=a.served_model_name,
+        max_body_bytes=a.max_body_bytes,
+        max_waiting_requests=a.max_waiting_requests,
+        shutdown_grace_s=a.shutdown_grace,
+        log_format=a.log_format,
+        log_level="debug" if a.verbose else a.log_level,
+    )
+
+
+def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig | ServerConfig:
     a = build_parser().parse_args(argv)
+    if a.command == "serve":
+        return _server_config(a)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     engine, params = _engine_config(a), _sampling_params(a)
     if a.command == "generate":
@@ -171,6 +204,10 @@ def run_chat(cfg: ChatConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
+        if isinstance(cfg, ServerConfig):
+            from inferd.server.launcher import serve
+
+            return serve(cfg)
         if isinstance(cfg, GenerateConfig):
             run_generate(cfg)
         else:

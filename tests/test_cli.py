@@ -32,6 +32,24 @@ def test_parse_chat_and_bad_values():
         parse_config(["generate", "x", "--max-num-seqs", "0"])
 
 
+def test_parse_serve_flows_into_a_server_config(tmp_path):
+    from inferd.server.config import ServerConfig
+
+    model = str(tmp_path / "m.gguf")
+    cfg = parse_config(["serve", model, "--port", "9001", "--max-waiting-requests", "8", "--shutdown-grace", "2.5",
+                        "--log-format", "json", "--max-num-seqs", "4"])
+    assert isinstance(cfg, ServerConfig)
+    assert cfg.engine.model == model and cfg.engine.max_num_seqs == 4
+    assert (cfg.port, cfg.max_waiting_requests, cfg.shutdown_grace_s, cfg.log_format) == (9001, 8, 2.5, "json")
+    assert cfg.host == "127.0.0.1" and cfg.max_body_bytes == 2 * 1024 * 1024
+    default = parse_config(["serve"])
+    assert default.engine.model is None and default.port == 8000
+    with pytest.raises(ValueError, match="two models"):
+        parse_config(["serve", model, "--model", "other.gguf"])
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        parse_config(["serve", "--max-waiting-requests", "0"])
+
+
 def test_generate_prints_a_greedy_completion(llm):
     expected = llm.generate(["The capital of France is"], _greedy(8), use_tqdm=False)[0].outputs[0].text
     r = run_cli("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--dtype", "float32")

@@ -1,0 +1,213 @@
+"""The FastAPI app: routes, error handlers, the engine's life cycle.
+
+The app binds at once and loads the model in the background: ``/health`` is
+503 until the engine is ready, then 200 until it dies or the server drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+import inferd
+from inferd.engine.async_engine import AsyncLLMEngine
+from inferd.engine.engine import LLMEngine
+from inferd.server import errors
+from inferd.server.errors import APIError
+from inferd.server.middleware import RequestContextMiddleware
+from inferd.server.config import ServerConfig
+from inferd.server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from inferd.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    413: {"model": ErrorResponse, "description": "Request body too large"},
+    500: {"model": ErrorResponse, "description": "The request failed in the engine"},
+    503: {"model": ErrorResponse, "description": "Loading, overloaded or shutting down"},
+}
+
+
+class ServerState:
+    """What the routes share: the engine once loaded, and the drain flag."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine: AsyncLLMEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        return self.serving is not None and self.engine.is_running and not self.draining
+
+    def attach(self, engine: LLMEngine) -> None:
+        """Starts serving ``engine``; call on the event loop."""
+        async_engine = AsyncLLMEngine(engine)
+        async_engine.start()
+        name = self.config.served_model_name or _model_name(engine)
+        self.engine = async_engine
+        self.serving = OpenAIServing(
+            async_engine, name, self.config.max_waiting_requests, is_draining=lambda: self.draining
+        )
+        logger.info("serving %s as %r", engine.model_path, name)
+
+    def require(self) -> OpenAIServing:
+        if self.serving is None:
+            if self.load_error is not None:
+                raise errors.unavailable(f"model failed to load: {self.load_error}")
+            raise errors.unavailable("the model is still loading", retry_after_s=5)
+        return self.serving
+
+
+def _model_name(engine: LLMEngine) -> str:
+    path = Path(engine.model_path)
+    return path.stem if path.is_file() else path.name
+
+
+class _StreamingResponse(StreamingResponse):
+    """Closes its body iterator however the response ends, so a client that
+    disconnects mid-stream aborts its request at once, not at garbage
+    collection."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = None) -> FastAPI:
+    """The app; it loads ``config.engine`` in the background unless given a
+    built ``engine``."""
+    config = config or ServerConfig()
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        if engine is not None:
+            state.attach(engine)
+        else:
+
+            def load() -> None:
+                try:
+                    built = LLMEngine(config.engine)
+                except BaseException as e:  # noqa: BLE001 - reported by /health and every route
+                    logger.exception("model failed to load")
+                    state.load_error = e
+                    return
+                loop.call_soon_threadsafe(state.attach, built)
+
+            threading.Thread(target=load, name="inferd-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = FastAPI(title="inferd", version=inferd.__version__, lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
+    app.add_exception_handler(APIError, errors.api_error_handler)
+    app.add_exception_handler(Exception, errors.unexpected_error_handler)
+
+    def request_id(request: Request) -> str:
+        return request.scope["state"]["request_id"]
+
+    async def respond(result: dict | AsyncIterator[str]) -> JSONResponse | StreamingResponse:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return _StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
+    )
+    async def completions(body: CompletionRequest, request: Request):  # noqa: ANN202
+        return await respond(await state.require().create_completion(body, request_id(request)))
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={
+            **_ERRORS,
+            200: {"content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}},
+        },
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request):  # noqa: ANN202
+        return await respond(await state.require().create_chat_completion(body, request_id(request)))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        serving = state.require()
+        card = ModelCard(id=serving.model_name, root=state.engine.engine.model_path, max_model_len=serving.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving = state.require()
+        serving.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            ids = serving.render_chat(chat)
+        else:
+            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving = state.require()
+        serving.check_model(body.model)
+        vocab = serving.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise errors.bad_request(f"tokens must be in [0, {vocab}), got {bad}", param="tokens")
+        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> JSONResponse:
+        if state.ready:
+            return JSONResponse({"status": "ok"})
+        if state.draining:
+            reason = "shutting down"
+        elif state.load_error is not None:
+            reason = f"model failed to load: {state.load_error}"
+        elif state.engine is not None and state.engine.dead_error is not None:
+            reason = f"engine loop died: {state.engine.dead_error!r}"
+        else:
+            reason = "loading"
+        return errors.unavailable(reason).response()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": inferd.__version__}
+
+    return app

@@ -29,6 +29,7 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/serving_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

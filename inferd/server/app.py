@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -43,6 +43,9 @@ from inferd.server.protocol import (
 from inferd.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
+
+# How often a non-streaming request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.25
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
@@ -141,7 +144,19 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
     def request_id(request: Request) -> str:
         return request.scope["state"]["request_id"]
 
-    async def respond(result: dict | AsyncIterator[str]) -> JSONResponse | StreamingResponse:
+    async def respond(request: Request, work: Awaitable[dict | AsyncIterator[str]]) -> Response:
+        """The route's work as a response; a client that leaves before a
+        non-streaming answer is ready cancels the work, aborting its requests."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)  # nobody reads it
+        result = task.result()
         if isinstance(result, dict):
             return JSONResponse(result)
         return _StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -152,7 +167,7 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def completions(body: CompletionRequest, request: Request):  # noqa: ANN202
-        return await respond(await state.require().create_completion(body, request_id(request)))
+        return await respond(request, state.require().create_completion(body, request_id(request)))
 
     @app.post(
         "/v1/chat/completions",
@@ -163,7 +178,7 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         },
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request):  # noqa: ANN202
-        return await respond(await state.require().create_chat_completion(body, request_id(request)))
+        return await respond(request, state.require().create_chat_completion(body, request_id(request)))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

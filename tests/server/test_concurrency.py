@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 
 import httpx
 import openai
@@ -58,6 +60,20 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(server):
     assert chunks == 3
     assert server.wait_idle(timeout=10), "the request was not aborted"
     assert not server.state.engine.num_in_flight
+
+
+def test_disconnect_before_a_non_streaming_answer_aborts_it(server):
+    body = json.dumps({"prompt": "Count to one thousand:", "max_tokens": 500, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        deadline = time.monotonic() + 10
+        while not server.engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.engine.scheduler.running, "the request never started"
+    assert server.wait_idle(timeout=10), "the request was not aborted"
 
 
 def test_a_failing_step_fails_only_its_requests(server, client, http, monkeypatch):

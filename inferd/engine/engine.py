@@ -106,6 +106,10 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}")
         max_tokens = self.scheduler.check_fits(len(ids), params.max_tokens)
         arrival = time.time() if arrival_time is None else arrival_time
         children = []

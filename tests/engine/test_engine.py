@@ -188,6 +188,7 @@ def test_logprobs_of_greedy_tokens_are_the_top_alternative(llm, prompt_ids, hf_m
         ("hi", {"temperature": -1.0}, "temperature"),
         ("hi", {"max_tokens": 5000}, "max_tokens"),
         ([1, 2, 10**9], {}, "token ids"),
+        ("hi", {"logit_bias": {10**7: 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(llm, prompt_ids, reference, prompt, kwargs, field):

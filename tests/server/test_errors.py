@@ -58,6 +58,7 @@ def test_wrong_types_are_a_400_naming_the_field(http, route, body, param):
         ("/v1/completions", GOOD | {"logprobs": 9}, "logprobs"),
         ("/v1/completions", GOOD | {"logit_bias": {"5": 500}}, "logit_bias.5"),
         ("/v1/completions", GOOD | {"logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", GOOD | {"logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", GOOD | {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ("/v1/completions", GOOD | {"prompt": [10**9]}, "prompt"),
         ("/v1/completions", GOOD | {"prompt": ""}, "prompt"),

@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -63,8 +63,16 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        idle_wait_s: float = 0.5,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
+        """``on_step`` sees every step's outputs on the step thread (metrics);
+        an exception in it is logged, never fatal."""
         self.engine = engine
+        self._on_step = on_step
         self._idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -189,6 +197,7 @@ class AsyncLLMEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    self._observe(outputs)  # first, so a client that got its answer sees it counted
                     if outputs:
                         self._to_loop(self._dispatch, outputs)
         except BaseException as e:  # noqa: BLE001 - report, then every stream fails
@@ -197,6 +206,14 @@ class AsyncLLMEngine:
             error = EngineDeadError(f"engine loop died: {e!r}")
             self._fail_pending_adds(error)
             self._to_loop(self.abort_all, error)
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        if self._on_step is None:
+            return
+        try:
+            self._on_step(outputs)
+        except Exception:  # noqa: BLE001 - metrics must never stop the engine
+            logger.exception("step observer failed")
 
     def _fail_pending_adds(self, error: EngineDeadError) -> None:
         while True:

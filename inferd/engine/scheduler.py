@@ -55,6 +55,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache at admission, and found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # Admission -------------------------------------------------------------
 
@@ -131,6 +134,8 @@ class Scheduler:
                 ) is None:
                     break
                 self.waiting.popleft()
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += request.num_computed_tokens
                 request.status = RequestStatus.RUNNING
                 if request.scheduled_time is None:
                     request.scheduled_time = now

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +23,8 @@ from starlette.types import Receive, Scope, Send
 import inferd
 from inferd.engine.async_engine import AsyncLLMEngine
 from inferd.engine.engine import LLMEngine
+from inferd.obs.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from inferd.obs.metrics import ServerMetrics
 from inferd.server import errors
 from inferd.server.errors import APIError
 from inferd.server.middleware import RequestContextMiddleware
@@ -63,6 +66,7 @@ class ServerState:
         self.config = config
         self.engine: AsyncLLMEngine | None = None
         self.serving: OpenAIServing | None = None
+        self.metrics: ServerMetrics | None = None
         self.load_error: BaseException | None = None
         self.draining = False
 
@@ -70,11 +74,30 @@ class ServerState:
     def ready(self) -> bool:
         return self.serving is not None and self.engine.is_running and not self.draining
 
-    def attach(self, engine: LLMEngine) -> None:
+    def attach(self, engine: LLMEngine, load_time_s: float | None = None) -> None:
         """Starts serving ``engine``; call on the event loop."""
-        async_engine = AsyncLLMEngine(engine)
-        async_engine.start()
         name = self.config.served_model_name or _model_name(engine)
+        self.metrics = metrics = ServerMetrics(name)
+        scheduler, kv = engine.scheduler, engine.kv_cache
+        metrics.bind_gauges(
+            running=lambda: len(scheduler.running),
+            waiting=lambda: len(scheduler.waiting),
+            kv_usage=lambda: kv.usage,
+        )
+        metrics.model_load.set(engine.load_time_s if load_time_s is None else load_time_s)
+
+        def on_step(outputs: list) -> None:
+            metrics.observe_step(
+                outputs,
+                {
+                    "preemptions": scheduler.num_preemptions,
+                    "prefix_queries": scheduler.prefix_cache_queries,
+                    "prefix_hits": scheduler.prefix_cache_hits,
+                },
+            )
+
+        async_engine = AsyncLLMEngine(engine, on_step=on_step)
+        async_engine.start()
         self.engine = async_engine
         self.serving = OpenAIServing(
             async_engine, name, self.config.max_waiting_requests, is_draining=lambda: self.draining
@@ -120,13 +143,14 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         else:
 
             def load() -> None:
+                start = time.perf_counter()
                 try:
                     built = LLMEngine(config.engine)
                 except BaseException as e:  # noqa: BLE001 - reported by /health and every route
                     logger.exception("model failed to load")
                     state.load_error = e
                     return
-                loop.call_soon_threadsafe(state.attach, built)
+                loop.call_soon_threadsafe(state.attach, built, time.perf_counter() - start)
 
             threading.Thread(target=load, name="inferd-load", daemon=True).start()
         yield
@@ -220,6 +244,12 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         else:
             reason = "loading"
         return errors.unavailable(reason).response()
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        if state.metrics is None:
+            return Response(b"", media_type=METRICS_CONTENT_TYPE)
+        return Response(state.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -1,0 +1,1 @@
+"""Metric and trace helpers shared by the server, the gateway and the engine."""

@@ -10,7 +10,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from inferd.engine.async_engine import AsyncLLMEngine
 from inferd.engine.engine import LLMEngine
 from inferd.obs.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from inferd.obs.metrics import ServerMetrics
+from inferd.obs.tracing import RequestTracer, otlp_tracer
 from inferd.server import errors
 from inferd.server.errors import APIError
 from inferd.server.middleware import RequestContextMiddleware
@@ -43,7 +45,7 @@ from inferd.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from inferd.server.serving import OpenAIServing
+from inferd.server.serving import EventStream, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,9 @@ _ERRORS = {
 class ServerState:
     """What the routes share: the engine once loaded, and the drain flag."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, tracer: RequestTracer | None = None) -> None:
         self.config = config
+        self.tracer = tracer
         self.engine: AsyncLLMEngine | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: ServerMetrics | None = None
@@ -100,7 +103,11 @@ class ServerState:
         async_engine.start()
         self.engine = async_engine
         self.serving = OpenAIServing(
-            async_engine, name, self.config.max_waiting_requests, is_draining=lambda: self.draining
+            async_engine,
+            name,
+            self.config.max_waiting_requests,
+            is_draining=lambda: self.draining,
+            tracer=self.tracer,
         )
         logger.info("serving %s as %r", engine.model_path, name)
 
@@ -118,22 +125,32 @@ def _model_name(engine: LLMEngine) -> str:
 
 
 class _StreamingResponse(StreamingResponse):
-    """Closes its body iterator however the response ends, so a client that
-    disconnects mid-stream aborts its request at once, not at garbage
-    collection."""
+    """Closes its body iterator and runs ``on_close`` however the response
+    ends, so a client that disconnects mid-stream (or before the stream
+    began) aborts its request at once, not at garbage collection."""
+
+    def __init__(self, *args: Any, on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self._on_close()
 
 
-def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = None) -> FastAPI:
+def create_app(
+    config: ServerConfig | None = None, engine: LLMEngine | None = None, tracer: RequestTracer | None = None
+) -> FastAPI:
     """The app; it loads ``config.engine`` in the background unless given a
-    built ``engine``."""
+    built ``engine``, and traces to ``config.otlp_endpoint`` unless given a
+    ``tracer``."""
     config = config or ServerConfig()
-    state = ServerState(config)
+    if tracer is None and config.otlp_endpoint:
+        tracer = otlp_tracer(config.otlp_endpoint)
+    state = ServerState(config, tracer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -156,6 +173,8 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        if state.tracer is not None:
+            state.tracer.shutdown()
 
     app = FastAPI(title="inferd", version=inferd.__version__, lifespan=lifespan)
     app.state.server = state
@@ -168,7 +187,7 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
     def request_id(request: Request) -> str:
         return request.scope["state"]["request_id"]
 
-    async def respond(request: Request, work: Awaitable[dict | AsyncIterator[str]]) -> Response:
+    async def respond(request: Request, work: Awaitable[dict | EventStream]) -> Response:
         """The route's work as a response; a client that leaves before a
         non-streaming answer is ready cancels the work, aborting its requests."""
         task = asyncio.ensure_future(work)
@@ -183,7 +202,9 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         result = task.result()
         if isinstance(result, dict):
             return JSONResponse(result)
-        return _StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _StreamingResponse(
+            result.events, on_close=result.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     @app.post(
         "/v1/completions",
@@ -191,7 +212,7 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def completions(body: CompletionRequest, request: Request):  # noqa: ANN202
-        return await respond(request, state.require().create_completion(body, request_id(request)))
+        return await respond(request, state.require().create_completion(body, request_id(request), request.headers))
 
     @app.post(
         "/v1/chat/completions",
@@ -202,7 +223,7 @@ def create_app(config: ServerConfig | None = None, engine: LLMEngine | None = No
         },
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request):  # noqa: ANN202
-        return await respond(request, state.require().create_chat_completion(body, request_id(request)))
+        return await respond(request, state.require().create_chat_completion(body, request_id(request), request.headers))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -20,6 +20,9 @@ class ServerConfig:
     max_waiting_requests: int = 256
     # On SIGTERM: how long in-flight requests may take before they are aborted.
     shutdown_grace_s: float = 30.0
+    # OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318) for traces
+    # and GenAI metrics; None leaves tracing off.
+    otlp_endpoint: str | None = None
     log_format: str = "plain"  # or "json"
     log_level: str = "info"
 

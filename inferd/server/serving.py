@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 from inferd.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from inferd.engine.outputs import CompletionOutput, RequestOutput
 from inferd.engine.scheduler import ContextLengthError
+from inferd.obs.tracing import RequestTracer, RequestSpan
 from inferd.sampling_params import SamplingParams
 from inferd.server import errors
 from inferd.server.errors import APIError
@@ -49,7 +50,18 @@ class _Job:
     created: int
     n: int
     engine_ids: list[str] = field(default_factory=list)
+    streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     finals: dict[str, RequestOutput] = field(default_factory=dict)
+    span: RequestSpan | None = None
+
+
+@dataclass
+class EventStream:
+    """A streaming answer: its SSE events, and ``close`` to run however the
+    response ends, even when it never started (the client left first)."""
+
+    events: AsyncIterator[str]
+    close: Callable[[], Awaitable[None]]
 
 
 class OpenAIServing:
@@ -59,6 +71,7 @@ class OpenAIServing:
         model_name: str,
         max_waiting_requests: int,
         is_draining: Callable[[], bool],
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.engine.tokenizer
@@ -66,6 +79,7 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.is_draining = is_draining
+        self.tracer = tracer
         self.system_fingerprint = f"inferd-{engine.engine.dtype}".replace("torch.", "")
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
 
@@ -101,8 +115,8 @@ class OpenAIServing:
 
     async def _submit(
         self, job: _Job, prompts: list[str | list[int]], params: SamplingParams, param_name: str
-    ) -> list[AsyncIterator[RequestOutput]]:
-        streams = []
+    ) -> None:
+        streams = job.streams
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = job.http_id if len(prompts) == 1 else f"{job.http_id}-{i}"
@@ -120,16 +134,46 @@ class OpenAIServing:
         except EngineDeadError as e:
             await self._close(streams)
             raise errors.unavailable(str(e)) from None
-        return streams
 
     @staticmethod
     async def _close(streams: list[AsyncIterator[RequestOutput]]) -> None:
         for s in streams:
             await s.aclose()
 
+    def _start(self, kind: str, http_id: str, n: int, operation: str, fields: dict, headers: Mapping[str, str]) -> _Job:
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        job = _Job(kind, http_id, random_id(prefix), int(time.time()), n)
+        if self.tracer is not None:
+            job.span = self.tracer.start(operation, self.model_name, fields, headers)
+        return job
+
+    async def _end(self, job: _Job, error: str | None = None) -> None:
+        """Frees what the job holds in the engine and ends its span; idempotent."""
+        await self._close(job.streams)
+        if job.span is not None:
+            job.span.finish(job.response_id, list(job.finals.values()), error)
+
+    async def _run(self, job: _Job, submit: Awaitable[None], stream: AsyncIterator[str] | None) -> EventStream | list[RequestOutput]:
+        """Submits the job; then either its event stream or, collected, its
+        final outputs. Whatever fails on the way ends the job."""
+        try:
+            await submit
+            if stream is not None:
+                return EventStream(stream, lambda: self._end(job))
+            finals = await self._collect(job, job.streams)
+        except BaseException as e:  # including cancellation: the client left
+            await self._end(job, error=str(e) or type(e).__name__)
+            if stream is not None:
+                await stream.aclose()
+            raise
+        await self._end(job)
+        return finals
+
     # Completions ------------------------------------------------------------------
 
-    async def create_completion(self, request: CompletionRequest, http_id: str) -> dict | AsyncIterator[str]:
+    async def create_completion(
+        self, request: CompletionRequest, http_id: str, headers: Mapping[str, str] | None = None
+    ) -> dict | EventStream:
         self.check_model(request.model)
         if request.response_format is not None and request.response_format.type != "text":
             raise errors.bad_request(
@@ -148,12 +192,17 @@ class OpenAIServing:
             raise errors.bad_request(str(e), param="prompt") from None
         params = self._params(request, request.max_tokens, request.logprobs)
         self.check_admission()
-        job = _Job("completion", http_id, random_id("cmpl"), int(time.time()), request.n)
-        streams = await self._submit(job, prompts, params, "prompt")
+        fields = {"max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+                  "top_k": request.top_k, "seed": request.seed}  # fmt: skip
+        job = self._start("completion", http_id, request.n, "text_completion", fields, headers or {})
+        stream = None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._completion_stream(job, streams, request, include_usage)
-        finals = await self._collect(job, streams)
+            stream = self._completion_stream(job, request, include_usage)
+        result = await self._run(job, self._submit(job, prompts, params, "prompt"), stream)
+        if isinstance(result, EventStream):
+            return result
+        finals = result
         choices = []
         for p, final in enumerate(finals):
             echo = (final.prompt or self.tokenizer.decode(final.prompt_token_ids)) if request.echo else ""
@@ -178,7 +227,7 @@ class OpenAIServing:
         }
 
     async def _completion_stream(
-        self, job: _Job, streams: list, request: CompletionRequest, include_usage: bool
+        self, job: _Job, request: CompletionRequest, include_usage: bool
     ) -> AsyncIterator[str]:
         sent_logprobs: dict[int, int] = {}
         text_offset: dict[int, int] = {}
@@ -209,7 +258,7 @@ class OpenAIServing:
                 )
             return result
 
-        async for event in self._stream(job, streams, "text_completion", choices, [], include_usage):
+        async for event in self._stream(job, "text_completion", choices, [], include_usage):
             yield event
 
     def _completion_logprobs(self, out: CompletionOutput, start: int, offset: int) -> dict:
@@ -238,7 +287,9 @@ class OpenAIServing:
             raise errors.bad_request(str(e), param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def create_chat_completion(self, request: ChatCompletionRequest, http_id: str) -> dict | AsyncIterator[str]:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, http_id: str, headers: Mapping[str, str] | None = None
+    ) -> dict | EventStream:
         self.check_model(request.model)
         if request.response_format is not None and request.response_format.type != "text":
             raise errors.bad_request(
@@ -251,12 +302,17 @@ class OpenAIServing:
         params = self._params(request, request.resolved_max_tokens(), logprobs)
         prompt_ids = self.render_chat(request)
         self.check_admission()
-        job = _Job("chat", http_id, random_id("chatcmpl"), int(time.time()), request.n)
-        streams = await self._submit(job, [prompt_ids], params, "messages")
+        fields = {"max_tokens": request.resolved_max_tokens(), "temperature": request.temperature,
+                  "top_p": request.top_p, "top_k": request.top_k, "seed": request.seed}  # fmt: skip
+        job = self._start("chat", http_id, request.n, "chat", fields, headers or {})
+        stream = None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._chat_stream(job, streams, request, include_usage)
-        (final,) = await self._collect(job, streams)
+            stream = self._chat_stream(job, request, include_usage)
+        result = await self._run(job, self._submit(job, [prompt_ids], params, "messages"), stream)
+        if isinstance(result, EventStream):
+            return result
+        (final,) = result
         choices = [
             {
                 "index": out.index,
@@ -278,7 +334,7 @@ class OpenAIServing:
         }
 
     async def _chat_stream(
-        self, job: _Job, streams: list, request: ChatCompletionRequest, include_usage: bool
+        self, job: _Job, request: ChatCompletionRequest, include_usage: bool
     ) -> AsyncIterator[str]:
         sent_logprobs: dict[int, int] = {}
 
@@ -308,13 +364,12 @@ class OpenAIServing:
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(job.n)
         ]
-        async for event in self._stream(job, streams, "chat.completion.chunk", choices, roles, include_usage):
+        async for event in self._stream(job, "chat.completion.chunk", choices, roles, include_usage):
             yield event
 
     async def _stream(
         self,
         job: _Job,
-        streams: list,
         obj: str,
         choices: Callable[[int, RequestOutput], list[dict]],
         first: list[dict],
@@ -323,7 +378,8 @@ class OpenAIServing:
         """The SSE events of a job: ``first`` choices (if any), a chunk per
         engine output that changed something, the usage chunk when asked, and
         ``[DONE]``; a failure mid-stream is an error event before ``[DONE]``."""
-        merged = self._merged(job, streams)
+        merged = self._merged(job, job.streams)
+        error = None
         try:
             if first:
                 yield sse(self._chunk(job, obj, first, include_usage))
@@ -335,19 +391,25 @@ class OpenAIServing:
                     if changed:
                         yield sse(self._chunk(job, obj, changed, include_usage))
             except APIError as e:
+                error = e.message
                 yield sse(e.body())
             except EngineDeadError as e:
-                yield sse(errors.internal_error(str(e)).body())
+                error = str(e)
+                yield sse(errors.internal_error(error).body())
             except RequestAbortedError as e:
-                yield sse(errors.unavailable(str(e)).body())
+                error = str(e)
+                yield sse(errors.unavailable(error).body())
             else:
                 if include_usage:
                     usage = self._usage(list(job.finals.values()))
                     yield sse(self._chunk(job, obj, [], False, usage))
             yield sse("[DONE]")
+        except BaseException as e:  # the client left: GeneratorExit or cancellation
+            error = error or f"client disconnected ({type(e).__name__})"
+            raise
         finally:
             await merged.aclose()
-            await self._close(streams)
+            await self._end(job, error)
 
     def _chat_logprobs(self, out: CompletionOutput, start: int) -> list[dict]:
         content = []

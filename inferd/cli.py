@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from inferd.bench.config import BenchConfig, add_arguments as _bench_args, config_from_args as _bench_config
 from inferd.config import EngineConfig
 from inferd.sampling_params import SamplingParams
 from inferd.server.config import ServerConfig
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024, help="larger request bodies get 413")
     g.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this many queued requests, 503")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    g.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP collector URL for traces and GenAI metrics, e.g. http://127.0.0.1:4318 (default: off)")
     g.add_argument("--log-format", default="plain", choices=["plain", "json"])
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_args(serve)
@@ -81,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _engine_args(chat)
     _sampling_args(chat, max_tokens=512)
+
+    bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server and report latency and throughput")
+    _bench_args(bench)
     return parser
 
 
@@ -122,15 +127,18 @@ def _server_config(a: argparse.Namespace) -> ServerConfig:
         max_body_bytes=a.max_body_bytes,
         max_waiting_requests=a.max_waiting_requests,
         shutdown_grace_s=a.shutdown_grace,
+        otlp_endpoint=a.otlp_endpoint,
         log_format=a.log_format,
         log_level="debug" if a.verbose else a.log_level,
     )
 
 
-def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig | ServerConfig:
+def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig | ServerConfig | BenchConfig:
     a = build_parser().parse_args(argv)
     if a.command == "serve":
         return _server_config(a)
+    if a.command == "bench":
+        return _bench_config(a)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     engine, params = _engine_config(a), _sampling_params(a)
     if a.command == "generate":
@@ -208,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             from inferd.server.launcher import serve
 
             return serve(cfg)
+        if isinstance(cfg, BenchConfig):
+            from inferd.bench.main import run
+
+            return run(cfg)
         if isinstance(cfg, GenerateConfig):
             run_generate(cfg)
         else:

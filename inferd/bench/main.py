@@ -1,0 +1,96 @@
+"""``run(cfg)``: model -> prompts -> load -> metrics -> report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from inferd.bench.client import Api, BenchError, count_tokens, first_model, send
+from inferd.bench.config import BenchConfig
+from inferd.bench.datasets import jsonl_requests, random_requests
+from inferd.bench.load import arrival_offsets, run_load
+from inferd.bench.metrics import BenchMetrics, summarize
+from inferd.bench.records import BenchRequest, RequestResult
+from inferd.bench.report import print_report, to_json
+
+
+def _client(cfg: BenchConfig) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    # The read timeout is per read: a request fails when no byte comes for that long.
+    # No pool timeout: a request waiting for a connection is load, not an error.
+    timeout = httpx.Timeout(cfg.timeout, pool=None)
+    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
+
+
+async def _requests(cfg: BenchConfig, client: httpx.AsyncClient, model: str, notes: list[str]) -> list[BenchRequest]:
+    if cfg.dataset == "jsonl":
+        if cfg.dataset_path is None:  # BenchConfig already refuses this
+            raise BenchError("--dataset jsonl needs --dataset-path")
+        requests = jsonl_requests(cfg.dataset_path, cfg.num_prompts, cfg.output_len, chat=cfg.endpoint == "chat")
+        if len(requests) < cfg.num_prompts:
+            notes.append(f"{cfg.dataset_path} has {len(requests)} requests, fewer than --num-prompts {cfg.num_prompts}")
+        return requests
+    count = partial(count_tokens, client, cfg.url, model)
+    requests, exact = await random_requests(cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed, count)
+    if not exact:
+        notes.append("the server has no POST /tokenize: prompt lengths are word counts, an approximation of tokens")
+    return requests
+
+
+def _notes_from(results: list[RequestResult]) -> list[str]:
+    notes = []
+    if any(r.ok and not r.usage_reported for r in results):
+        notes.append("the server sent no usage chunk for some requests: their output tokens are text chunks counted")
+    return notes
+
+
+async def bench(cfg: BenchConfig, console: Console) -> tuple[BenchMetrics, dict]:
+    notes: list[str] = []
+    async with _client(cfg) as client:
+        model = cfg.model or await first_model(client, cfg.url)
+        requests = await _requests(cfg, client, model, notes)
+        api = Api(cfg.url, cfg.endpoint, model)
+        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+        with Progress(
+            TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[failed]} failed"), console=console, transient=True,
+        ) as progress:
+            task = progress.add_task("requests", total=len(requests), failed=0)
+            failed = 0
+
+            def on_result(r: RequestResult) -> None:
+                nonlocal failed
+                failed += not r.ok
+                progress.update(task, advance=1, failed=failed)
+
+            t0 = time.perf_counter()
+            results = await run_load(requests, lambda req: send(client, api, req, t0), offsets, cfg.concurrency, cfg.duration, on_result)
+            duration = time.perf_counter() - t0
+    notes += _notes_from(results)
+    metrics = summarize(results, duration, cfg.slo, cfg.cost_per_hour)
+    print_report(console, metrics, cfg, model, notes)
+    return metrics, to_json(metrics, cfg, model, results, notes)
+
+
+def run(cfg: BenchConfig, console: Console | None = None) -> int:
+    """Run the benchmark and print its report; 0 when at least one request
+    completed, 1 when none did or the run could not start."""
+    console = console or Console()
+    try:
+        metrics, result = asyncio.run(bench(cfg, console))
+    except BenchError as e:
+        print(f"inferd bench: error: {e}", file=sys.stderr)
+        return 1
+    if cfg.output:
+        Path(cfg.output).write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {cfg.output}")
+    return 0 if metrics.completed else 1

@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811
 
 from inferd.engine.outputs import RequestOutput
+from inferd.obs.gpu import nvml_collector
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -33,7 +34,9 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, device_type: str = "cpu"
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
@@ -70,6 +73,9 @@ class ServerMetrics:
             )
         }
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        gpus = nvml_collector(device_type)
+        if gpus is not None:
+            r.register(gpus)
         self._last_token_time: dict[tuple[str, int], float] = {}
         # Counters of the scheduler last seen, so each step adds its delta.
         self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}

@@ -80,7 +80,7 @@ class ServerState:
     def attach(self, engine: LLMEngine, load_time_s: float | None = None) -> None:
         """Starts serving ``engine``; call on the event loop."""
         name = self.config.served_model_name or _model_name(engine)
-        self.metrics = metrics = ServerMetrics(name)
+        self.metrics = metrics = ServerMetrics(name, device_type=engine.device.type)
         scheduler, kv = engine.scheduler, engine.kv_cache
         metrics.bind_gauges(
             running=lambda: len(scheduler.running),

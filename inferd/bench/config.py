@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DATASETS = ("random", "jsonl")
+PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,13 @@ class BenchConfig:
     cost_per_hour: float | None = None  # USD for the server's machine
     output: str | None = None  # JSON result file
     metadata: dict[str, str] = field(default_factory=dict)
+    # --sweep: one run per rate, rising until the SLO fails (see inferd.bench.sweep).
+    sweep: bool = False
+    sweep_rates: tuple[float, ...] | None = None  # None: sweep_start doubling up to sweep_max
+    sweep_start: float = 0.5  # requests/s
+    sweep_max: float = 64.0  # requests/s
+    slo_attainment: float = 0.9  # fraction of requests that must meet the SLO for a rate to hold
+    plot: str | None = None  # PNG (or SVG/PDF) file; needs matplotlib
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -91,6 +99,43 @@ class BenchConfig:
             raise ValueError(f"timeout must be > 0 s, got {self.timeout}")
         if self.cost_per_hour is not None and self.cost_per_hour < 0:
             raise ValueError(f"cost_per_hour must be >= 0, got {self.cost_per_hour}")
+        if not 0.0 < self.slo_attainment <= 1.0:
+            raise ValueError(f"slo_attainment must be in (0, 1], got {self.slo_attainment}")
+        if self.plot is not None and not self.plot.lower().endswith(PLOT_FORMATS):
+            raise ValueError(f"plot must end in one of {', '.join(PLOT_FORMATS)}, got {self.plot!r}")
+        self._check_sweep()
+
+    def _check_sweep(self) -> None:
+        if not self.sweep:
+            if self.sweep_rates is not None:
+                raise ValueError("sweep_rates is only for --sweep")
+            return
+        if self.slo is None:
+            raise ValueError("slo is required with --sweep: it decides whether a rate held")
+        if math.isfinite(self.request_rate):
+            raise ValueError("request_rate: --sweep sets the rate of each step; give --sweep-rates instead")
+        if self.sweep_rates is not None:
+            rates = self.sweep_rates
+            if not rates or not all(r > 0 and math.isfinite(r) for r in rates):
+                raise ValueError(f"sweep_rates must be finite requests/s > 0, got {list(rates)}")
+            if any(b <= a for a, b in zip(rates, rates[1:])):
+                raise ValueError(f"sweep_rates must rise, got {list(rates)}")
+            return
+        if not (self.sweep_start > 0 and math.isfinite(self.sweep_start)):
+            raise ValueError(f"sweep_start must be a finite requests/s > 0, got {self.sweep_start}")
+        if not (self.sweep_max >= self.sweep_start and math.isfinite(self.sweep_max)):
+            raise ValueError(f"sweep_max must be finite and >= sweep_start ({self.sweep_start}), got {self.sweep_max}")
+
+    def rates(self) -> list[float]:
+        """The sweep's rates in order: --sweep-rates as given, else --sweep-start
+        doubling while it stays <= --sweep-max (0.5, 1, 2, ..., 64 by default)."""
+        if self.sweep_rates is not None:
+            return list(self.sweep_rates)
+        rates, rate = [], self.sweep_start
+        while rate <= self.sweep_max * (1 + 1e-9):  # 0.1 doubled is not exact
+            rates.append(rate)
+            rate *= 2
+        return rates
 
 
 def _slo(text: str) -> SLO:
@@ -105,6 +150,13 @@ def _rate(text: str) -> float:
         return float(text)  # "inf" parses too
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected requests/s or inf, got {text!r}") from None
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected requests/s separated by commas, e.g. 0.5,1,2,4, got {text!r}") from None
 
 
 def _metadata(text: str) -> tuple[str, str]:
@@ -139,6 +191,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-per-hour", type=float, default=None, metavar="USD", help="the server's price, for cost per 1M output tokens")
     g.add_argument("--output", "-o", default=None, metavar="FILE.json", help="write the full result as JSON")
     g.add_argument("--metadata", type=_metadata, action="append", default=[], metavar="KEY=VALUE", help="recorded in the JSON (repeatable)")
+    g.add_argument("--plot", default=None, metavar="FILE.png", help="latency plots (needs matplotlib: pip install 'inferd[bench]')")
+    g = p.add_argument_group("sweep", "raise the request rate step by step until the SLO fails")
+    g.add_argument("--sweep", action="store_true", help="run --num-prompts at each rate; report the highest that held (needs --slo)")
+    g.add_argument("--sweep-rates", type=_rates, default=None, metavar="R1,R2,...", help="rising requests/s to try (default: --sweep-start doubling up to --sweep-max)")
+    g.add_argument("--sweep-start", type=float, default=0.5, metavar="REQ/S", help="first rate of the default series")
+    g.add_argument("--sweep-max", type=float, default=64.0, metavar="REQ/S", help="the default series stops at or below it")
+    g.add_argument("--slo-attainment", type=float, default=0.9, metavar="FRACTION", help="a rate holds when this fraction of requests meet the SLO and none fails")
 
 
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
@@ -163,4 +222,10 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         cost_per_hour=a.cost_per_hour,
         output=a.output,
         metadata=dict(a.metadata),
+        sweep=a.sweep,
+        sweep_rates=a.sweep_rates,
+        sweep_start=a.sweep_start,
+        sweep_max=a.sweep_max,
+        slo_attainment=a.slo_attainment,
+        plot=a.plot,
     )

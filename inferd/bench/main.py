@@ -1,8 +1,9 @@
-"""``run(cfg)``: model -> prompts -> load -> metrics -> report."""
+"""``run(cfg)``: model -> prompts -> load -> metrics -> report; with --sweep, load -> metrics per rate."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -18,8 +19,10 @@ from inferd.bench.config import BenchConfig
 from inferd.bench.datasets import jsonl_requests, random_requests
 from inferd.bench.load import arrival_offsets, run_load
 from inferd.bench.metrics import BenchMetrics, summarize
+from inferd.bench.plot import plot_run, plot_sweep, require_matplotlib
 from inferd.bench.records import BenchRequest, RequestResult
-from inferd.bench.report import print_report, to_json
+from inferd.bench.report import print_report, print_sweep_report, sweep_to_json, to_json
+from inferd.bench.sweep import Step, sweep
 
 
 def _client(cfg: BenchConfig) -> httpx.AsyncClient:
@@ -53,44 +56,96 @@ def _notes_from(results: list[RequestResult]) -> list[str]:
     return notes
 
 
-async def bench(cfg: BenchConfig, console: Console) -> tuple[BenchMetrics, dict]:
+async def _load(
+    cfg: BenchConfig, client: httpx.AsyncClient, api: Api, requests: list[BenchRequest], console: Console, label: str
+) -> tuple[list[RequestResult], float]:
+    """Send the requests at cfg's rate under a progress bar; (results, seconds)."""
+    offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    with Progress(
+        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[failed]} failed"), console=console, transient=True,
+    ) as progress:
+        task = progress.add_task("requests", total=len(requests), failed=0)
+        failed = 0
+
+        def on_result(r: RequestResult) -> None:
+            nonlocal failed
+            failed += not r.ok
+            progress.update(task, advance=1, failed=failed)
+
+        t0 = time.perf_counter()
+        results = await run_load(requests, lambda req: send(client, api, req, t0), offsets, cfg.concurrency, cfg.duration, on_result)
+        return results, time.perf_counter() - t0
+
+
+async def bench(cfg: BenchConfig, console: Console) -> tuple[BenchMetrics, dict, list[RequestResult]]:
+    notes: list[str] = []
+    async with _client(cfg) as client:
+        model = cfg.model or await first_model(client, cfg.url)
+        requests = await _requests(cfg, client, model, notes)
+        results, duration = await _load(cfg, client, Api(cfg.url, cfg.endpoint, model), requests, console, "bench")
+    notes += _notes_from(results)
+    metrics = summarize(results, duration, cfg.slo, cfg.cost_per_hour)
+    print_report(console, metrics, cfg, model, notes)
+    return metrics, to_json(metrics, cfg, model, results, notes), results
+
+
+async def bench_sweep(cfg: BenchConfig, console: Console) -> tuple[list[Step], dict]:
+    """One client, one set of prompts; a run per rate (see inferd.bench.sweep)."""
     notes: list[str] = []
     async with _client(cfg) as client:
         model = cfg.model or await first_model(client, cfg.url)
         requests = await _requests(cfg, client, model, notes)
         api = Api(cfg.url, cfg.endpoint, model)
-        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
-        with Progress(
-            TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[failed]} failed"), console=console, transient=True,
-        ) as progress:
-            task = progress.add_task("requests", total=len(requests), failed=0)
-            failed = 0
 
-            def on_result(r: RequestResult) -> None:
-                nonlocal failed
-                failed += not r.ok
-                progress.update(task, advance=1, failed=failed)
+        async def measure(rate: float) -> tuple[BenchMetrics, dict]:
+            step_cfg = dataclasses.replace(cfg, request_rate=rate, sweep=False, sweep_rates=None)
+            results, duration = await _load(step_cfg, client, api, requests, console, f"sweep {rate:g} req/s")
+            for note in _notes_from(results):
+                if note not in notes:
+                    notes.append(note)
+            metrics = summarize(results, duration, cfg.slo, cfg.cost_per_hour)
+            return metrics, to_json(metrics, step_cfg, model, results, [])
 
-            t0 = time.perf_counter()
-            results = await run_load(requests, lambda req: send(client, api, req, t0), offsets, cfg.concurrency, cfg.duration, on_result)
-            duration = time.perf_counter() - t0
-    notes += _notes_from(results)
-    metrics = summarize(results, duration, cfg.slo, cfg.cost_per_hour)
-    print_report(console, metrics, cfg, model, notes)
-    return metrics, to_json(metrics, cfg, model, results, notes)
+        def on_step(step: Step) -> None:
+            m = step.metrics
+            verdict = "[green]held[/green]" if step.held else "[red]did not hold[/red]"
+            console.print(
+                f"{step.rate:g} req/s: achieved {m.request_throughput:.2f} req/s, "
+                f"{m.good_requests or 0}/{m.completed + m.failed} met the SLO, {m.failed} failed: {verdict}"
+            )
+
+        steps = await sweep(cfg.rates(), measure, cfg.slo_attainment, on_step)
+    print_sweep_report(console, steps, cfg, model, notes)
+    return steps, sweep_to_json(steps, cfg, model, notes)
 
 
 def run(cfg: BenchConfig, console: Console | None = None) -> int:
-    """Run the benchmark and print its report; 0 when at least one request
-    completed, 1 when none did or the run could not start."""
+    """Run the benchmark (or the sweep) and print its report; 0 when at least
+    one request completed (in a sweep: in its first step, whether or not any
+    rate held), 1 when none did or the run could not start. ValueError, before
+    any request, when --plot is given without matplotlib."""
     console = console or Console()
+    if cfg.plot:
+        require_matplotlib()
     try:
-        metrics, result = asyncio.run(bench(cfg, console))
+        if cfg.sweep:
+            steps, result = asyncio.run(bench_sweep(cfg, console))
+            completed = steps[0].metrics.completed if steps else 0
+        else:
+            metrics, result, results = asyncio.run(bench(cfg, console))
+            completed = metrics.completed
     except BenchError as e:
         print(f"inferd bench: error: {e}", file=sys.stderr)
         return 1
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {cfg.output}")
-    return 0 if metrics.completed else 1
+    if cfg.plot:  # after the JSON: a plot that fails to save loses no measurement
+        model = result["model_id"]
+        if cfg.sweep:
+            plot_sweep(cfg.plot, steps, cfg.slo, f"inferd bench --sweep: {model}, {cfg.num_prompts} requests per rate")
+        else:
+            plot_run(cfg.plot, results, cfg.slo, f"inferd bench: {model}, {len(results)} requests")
+        console.print(f"wrote {cfg.plot}")
+    return 0 if completed else 1

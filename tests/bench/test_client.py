@@ -96,3 +96,20 @@ def test_no_models_and_no_model_flag_is_a_clear_error(tmp_path, capsys):
     cfg = BenchConfig(url="http://127.0.0.1:1", num_prompts=1, timeout=0.5)
     assert run(cfg, Console(file=io.StringIO())) == 1
     assert "pass --model" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("behaviour", "rc", "steps", "held"), [("ok", 0, 2, 100.0), ("http500", 1, 1, None)])
+def test_a_sweep_holds_only_without_failures(fake, tmp_path, behaviour, rc, steps, held):
+    from inferd.bench.config import SLO
+
+    out = tmp_path / "s.json"
+    cfg = BenchConfig(
+        url=f"{fake.url}/{behaviour}", model="m", num_prompts=3, input_len=4, output_len=4, timeout=0.5, output=str(out),
+        sweep=True, sweep_rates=(50.0, 100.0), slo=SLO(e2el_ms=60_000), slo_attainment=0.5,
+    )  # fmt: skip
+    assert run(cfg, Console(file=io.StringIO(), width=120)) == rc  # 1: the first step completed nothing
+    r = json.loads(out.read_text())
+    assert len(r["sweep"]) == steps and r["max_rate_held"] == held
+    assert r["sweep"][-1]["failed"] == (0 if behaviour == "ok" else 3)
+    assert any("no POST /tokenize" in n for n in r["notes"])  # the sweep's notes, once

@@ -116,3 +116,46 @@ def test_bench_ttft_agrees_with_the_servers_histogram(server, tmp_path):
     median_le = next(le for le, c in counts if c >= 6)
     lower = max([le for le, c in counts if c < 6], default=0.0)
     assert lower * 1000 * 0.85 <= r["median_ttft_ms"] <= median_le * 1000 * 1.15
+
+
+# --sweep and --plot against the live server: small steps, bounded time.
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SWEEP = ["--sweep", "--sweep-rates", "4,8,16", "--num-prompts", "4", "--input-len", "32", "--output-len", "4", "--concurrency", "4"]
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_with_a_generous_slo_holds_every_rate(server, tmp_path, capsys):
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    rc = main(["bench", server.url, *SWEEP, "--slo", "ttft=60000,e2el=60000", "--output", str(out), "--plot", str(png)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["max_rate_held"] == 16.0 and r["slo"] == {"ttft_ms": 60000.0, "e2el_ms": 60000.0}
+    assert r["slo_attainment"] == 0.9 and r["sweep_rates"] == [4.0, 8.0, 16.0] and r["model_id"] == "smol"
+    assert [s["request_rate"] for s in r["sweep"]] == [4.0, 8.0, 16.0]
+    for step in r["sweep"]:
+        assert step["held"] and (step["completed"], step["failed"]) == (4, 0)
+        assert step["request_goodput"] == pytest.approx(step["request_throughput"])
+        assert step["output_lens"] == [4] * 4 and step["input_lens"] == [32] * 4  # the same prompts each step
+        assert set(LATENCY_FIELDS) <= set(step)
+    printed = capsys.readouterr().out
+    assert "highest rate that held: 16 req/s" in printed and "TTFT" in printed and "p99" in printed
+    assert png.read_bytes()[:8] == PNG
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_with_an_impossible_slo_stops_at_the_first_step(server, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["bench", server.url, *SWEEP, "--slo", "ttft=1", "--output", str(out)]) == 0  # it measured
+    r = json.loads(out.read_text())
+    assert r["max_rate_held"] is None and len(r["sweep"]) == 1
+    assert not r["sweep"][0]["held"] and r["sweep"][0]["completed"] == 4
+    assert "highest rate that held: none" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_a_single_run_plot_is_a_png(server, tmp_path):
+    png = tmp_path / "run.png"
+    rc = main(["bench", server.url, "--num-prompts", "4", "--input-len", "32", "--output-len", "4", "--slo", "ttft=60000",
+               "--plot", str(png)])  # fmt: skip
+    assert rc == 0 and png.read_bytes()[:8] == PNG

@@ -30,6 +30,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving_overhead.py
+	$(PY) benchmarks/serving_sweep.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-DATASETS = ("random", "jsonl")
+DATASETS = ("random", "shared-prefix", "jsonl")
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
@@ -50,6 +51,11 @@ class BenchConfig:
     api_key: str | None = None
     dataset: str = "random"
     dataset_path: str | None = None
+    # shared-prefix: this many system prompts of prefix_len tokens, shared by the requests.
+    num_prefixes: int = 4
+    prefix_len: int = 256
+    # A tokenizer.json to count prompt tokens locally; None asks the server's /tokenize.
+    tokenizer: str | None = None
     num_prompts: int = 100
     input_len: int = 128
     output_len: int = 128
@@ -82,7 +88,9 @@ class BenchConfig:
             raise ValueError(f"dataset must be one of {list(DATASETS)}, got {self.dataset!r}")
         if (self.dataset == "jsonl") != (self.dataset_path is not None):
             raise ValueError("dataset_path is required with --dataset jsonl and only with it")
-        for name in ("num_prompts", "input_len", "output_len"):
+        if self.tokenizer is not None and not Path(self.tokenizer).is_file():
+            raise ValueError(f"tokenizer: no such file {self.tokenizer!r}")
+        for name in ("num_prompts", "input_len", "output_len", "num_prefixes", "prefix_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.range_ratio < 1.0:
@@ -174,8 +182,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="sent as a Bearer token")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds without a byte before a request fails as `timeout`")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="random", choices=DATASETS, help="random: synthetic prompts; jsonl: --dataset-path")
+    g.add_argument("--dataset", default="random", choices=DATASETS, help="random: synthetic prompts; shared-prefix: --num-prefixes system prompts x questions; jsonl: --dataset-path")
     g.add_argument("--dataset-path", default=None, help='JSONL file, one {"prompt": ...} or {"messages": [...]} per line, optional "max_tokens"')
+    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts the requests share")
+    g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each shared system prompt")
+    g.add_argument("--tokenizer", default=None, metavar="tokenizer.json", help="count prompt tokens with this local file (default: the server's /tokenize)")
     g.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
     g.add_argument("--output-len", type=int, default=128, help="max_tokens per request (jsonl: unless the line sets it)")
@@ -208,6 +219,9 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         api_key=a.api_key,
         dataset=a.dataset,
         dataset_path=a.dataset_path,
+        num_prefixes=a.num_prefixes,
+        prefix_len=a.prefix_len,
+        tokenizer=a.tokenizer,
         num_prompts=a.num_prompts,
         input_len=a.input_len,
         output_len=a.output_len,

@@ -1,4 +1,5 @@
-"""Prompts to send: synthetic ones of a given token length, or a JSONL file."""
+"""Prompts to send: synthetic ones of a given token length, a shared-prefix
+workload (N system prompts x M questions), or a JSONL file."""
 
 from __future__ import annotations
 
@@ -21,8 +22,25 @@ WORDS = (
     "name good sentence man think say great where help through much before line right too mean old"
 ).split()
 
-# Counts a prompt's tokens (the server's /tokenize); None when it cannot.
+# Counts a prompt's tokens (a local tokenizer file or the server's
+# /tokenize); None when it cannot.
 TokenCounter = Callable[[str], Awaitable[int | None]]
+
+
+def local_counter(tokenizer_file: str | Path) -> TokenCounter:
+    """Counts with a ``tokenizer.json`` on disk (the ``tokenizers`` library;
+    nothing is downloaded), special tokens included as a server adds them."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # noqa: BLE001 - the library raises its own types
+        raise ValueError(f"tokenizer {tokenizer_file}: cannot load ({e})") from None
+
+    async def count(text: str) -> int:
+        return len(tokenizer.encode(text).ids)
+
+    return count
 
 _FIT_ROUNDS = 8  # /tokenize calls per prompt at most
 
@@ -80,6 +98,39 @@ async def random_requests(
         BenchRequest(prompt=text, messages=None, max_tokens=out, input_len=got if got is not None else k, ignore_eos=True)
         for (text, got), k, out in zip(fitted, ins, outs)
     ]
+    return requests, exact
+
+
+async def shared_prefix_requests(
+    n: int,
+    num_prefixes: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    count: TokenCounter,
+    chat: bool,
+) -> tuple[list[BenchRequest], bool]:
+    """``n`` requests, each one of ``num_prefixes`` shared system prompts of
+    ``prefix_len`` tokens followed by a question of its own of ``input_len``
+    tokens, in a seeded shuffled order: the workload a prefix cache (and a
+    cache-aware router) is for. For chat the prefix is the system message;
+    for completions it is the start of the prompt."""
+    prefixes, exact = await random_requests(num_prefixes, prefix_len, 1, 0.0, seed, count)
+    questions, _ = await random_requests(n, input_len, output_len, 0.0, seed + 1, count)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    requests = []
+    for i in order:
+        prefix, question = prefixes[i % num_prefixes], questions[i]
+        known = prefix.input_len is not None and question.input_len is not None
+        length = prefix.input_len + question.input_len if known else None
+        if chat:
+            messages = [{"role": "system", "content": prefix.prompt}, {"role": "user", "content": question.prompt}]
+            requests.append(BenchRequest(None, messages, question.max_tokens, None, ignore_eos=True))
+        else:
+            text = f"{prefix.prompt}\n\n{question.prompt}"
+            requests.append(BenchRequest(text, None, question.max_tokens, length, ignore_eos=True))
     return requests, exact
 
 

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from inferd.bench.client import Api, BenchError, count_tokens, first_model, send
 from inferd.bench.config import BenchConfig
-from inferd.bench.datasets import jsonl_requests, random_requests
+from inferd.bench.datasets import jsonl_requests, local_counter, random_requests, shared_prefix_requests
 from inferd.bench.load import arrival_offsets, run_load
 from inferd.bench.metrics import BenchMetrics, summarize
 from inferd.bench.plot import plot_run, plot_sweep, require_matplotlib
@@ -42,8 +42,19 @@ async def _requests(cfg: BenchConfig, client: httpx.AsyncClient, model: str, not
         if len(requests) < cfg.num_prompts:
             notes.append(f"{cfg.dataset_path} has {len(requests)} requests, fewer than --num-prompts {cfg.num_prompts}")
         return requests
-    count = partial(count_tokens, client, cfg.url, model)
-    requests, exact = await random_requests(cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed, count)
+    if cfg.tokenizer is not None:
+        count = local_counter(cfg.tokenizer)
+    else:
+        count = partial(count_tokens, client, cfg.url, model)
+    if cfg.dataset == "shared-prefix":
+        requests, exact = await shared_prefix_requests(
+            cfg.num_prompts, cfg.num_prefixes, cfg.prefix_len, cfg.input_len, cfg.output_len, cfg.seed, count,
+            chat=cfg.endpoint == "chat",
+        )  # fmt: skip
+    else:
+        requests, exact = await random_requests(
+            cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed, count
+        )
     if not exact:
         notes.append("the server has no POST /tokenize: prompt lengths are word counts, an approximation of tokens")
     return requests

@@ -76,3 +76,26 @@ def test_jsonl_reads_prompts_messages_and_max_tokens(tmp_path):
 def test_jsonl_errors_name_the_line(tmp_path, line, message):
     with pytest.raises(ValueError, match=message):
         jsonl_requests(write(tmp_path, line), 10, 16, chat=False)
+
+
+def test_shared_prefix_requests_share_their_system_prompts():
+    import asyncio
+
+    from inferd.bench.datasets import shared_prefix_requests
+
+    async def words(text: str) -> int:
+        return len(text.split())
+
+    reqs, exact = asyncio.run(shared_prefix_requests(12, 3, 20, 5, 7, seed=1, count=words, chat=False))
+    assert exact and len(reqs) == 12
+    prefixes = {r.prompt.split("\n\n")[0] for r in reqs}
+    assert len(prefixes) == 3 and all(len(p.split()) == 20 for p in prefixes)
+    assert all(len(r.prompt.split("\n\n")[1].split()) == 5 and r.input_len == 25 for r in reqs)
+    assert all(r.max_tokens == 7 and r.ignore_eos for r in reqs)
+    assert len({r.prompt for r in reqs}) == 12  # each question its own
+
+    chats, _ = asyncio.run(shared_prefix_requests(6, 2, 20, 5, 7, seed=1, count=words, chat=True))
+    assert len({c.messages[0]["content"] for c in chats}) == 2
+    assert all(c.messages[0]["role"] == "system" and c.messages[1]["role"] == "user" for c in chats)
+    again, _ = asyncio.run(shared_prefix_requests(6, 2, 20, 5, 7, seed=1, count=words, chat=True))
+    assert [c.messages for c in again] == [c.messages for c in chats]

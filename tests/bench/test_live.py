@@ -159,3 +159,20 @@ def test_a_single_run_plot_is_a_png(server, tmp_path):
     rc = main(["bench", server.url, "--num-prompts", "4", "--input-len", "32", "--output-len", "4", "--slo", "ttft=60000",
                "--plot", str(png)])  # fmt: skip
     assert rc == 0 and png.read_bytes()[:8] == PNG
+
+
+@pytest.mark.timeout(120)
+def test_shared_prefix_workload_with_a_local_tokenizer(server, tmp_path):
+    tokenizer_file = tmp_path / "tokenizer.json"
+    server.engine.tokenizer.backend.save(str(tokenizer_file))
+    out = tmp_path / "r.json"
+    rc = main(["bench", server.url, "--dataset", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "48",
+               "--input-len", "16", "--output-len", "4", "--num-prompts", "6", "--concurrency", "3",
+               "--tokenizer", str(tokenizer_file), "--output", str(out)])  # fmt: skip
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 6 and r["total_output_tokens"] == 24
+    # The server counts what the local file counted: each prompt is 48 + 16
+    # fitted tokens plus the separator between them.
+    assert all(64 <= n <= 66 for n in r["input_lens"]), r["input_lens"]
+    assert main(["bench", server.url, "--tokenizer", str(tmp_path / "missing.json")]) == 2

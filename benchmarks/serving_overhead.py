@@ -45,8 +45,6 @@ import queue
 import random
 import resource
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +55,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from _server import free_port, log_tail, stop_server, vm_hwm_mb, wait_healthy  # noqa: E402 - the script's folder
+
 RESULTS = Path(__file__).parent / "results" / "serving_overhead.json"
 QUICK_RESULTS = Path(tempfile.gettempdir()) / "serving_overhead_quick.json"
 VOCAB = 49152  # the default model's
@@ -64,7 +64,6 @@ TARGET_RATIO = 0.85
 HEALTH_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 600.0  # per request, and the bound on each side's whole run
-LOG_TAIL_CHARS = 4000
 THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")
 
 
@@ -144,12 +143,6 @@ def in_child(target: Any, *args: Any, timeout_s: float) -> dict:
 # Server process -------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(port: int, work: Workload) -> list[str]:
     cmd = [
         sys.executable, "-m", "inferd", "serve",
@@ -159,56 +152,6 @@ def server_command(port: int, work: Workload) -> list[str]:
         "--dtype", work.dtype,
     ]  # fmt: skip
     return cmd if work.threads is None else [*cmd, "--threads", str(work.threads)]
-
-
-def log_tail(log_path: Path) -> str:
-    try:
-        return log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-    except OSError:
-        return "(no server log)"
-
-
-def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll ``/health`` until 200; fail if the server exits or ``timeout_s`` passes."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
-        try:
-            r = httpx.get(f"{base_url}/health", timeout=2.0)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:200]}"
-        except httpx.HTTPError as e:
-            last = repr(e)
-        time.sleep(0.5)
-    raise TimeoutError(f"server not healthy after {timeout_s:.0f}s (last /health: {last})")
-
-
-def vm_hwm_mb(pid: int) -> float | None:
-    """A live process's peak RSS from /proc (Linux only)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def stop_server(proc: subprocess.Popen, timeout_s: float) -> int:
-    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
-    if proc.poll() is not None:
-        return proc.returncode
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=10)
 
 
 # Streaming clients -------------------------------------------------------------

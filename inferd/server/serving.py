@@ -95,6 +95,12 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
+    @staticmethod
+    def _check_response_format(request: CompletionRequest | ChatCompletionRequest) -> None:
+        fmt = request.response_format
+        if fmt is not None and fmt.type != "text":
+            raise errors.bad_request(f"response_format {fmt.type!r} is not supported yet; use 'text'", param="response_format")
+
     def check_admission(self) -> None:
         if self.is_draining():
             raise errors.unavailable("server is shutting down", retry_after_s=5)
@@ -116,23 +122,21 @@ class OpenAIServing:
     async def _submit(
         self, job: _Job, prompts: list[str | list[int]], params: SamplingParams, param_name: str
     ) -> None:
-        streams = job.streams
+        """One engine request per prompt; on failure the caller's ``_end``
+        aborts those already added."""
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = job.http_id if len(prompts) == 1 else f"{job.http_id}-{i}"
                 # Two HTTP requests may carry the same X-Request-Id.
                 if self.engine.has_request(engine_id):
                     engine_id = f"{engine_id}-{random_id('r')}"
-                streams.append(await self.engine.add_request(engine_id, prompt, params))
+                job.streams.append(await self.engine.add_request(engine_id, prompt, params))
                 job.engine_ids.append(engine_id)
         except ContextLengthError as e:
-            await self._close(streams)
             raise errors.bad_request(str(e), param=param_name, code="context_length_exceeded") from None
         except ValueError as e:
-            await self._close(streams)
             raise errors.from_value_error(e, _SAMPLING_FIELDS) from None
         except EngineDeadError as e:
-            await self._close(streams)
             raise errors.unavailable(str(e)) from None
 
     @staticmethod
@@ -160,7 +164,7 @@ class OpenAIServing:
             await submit
             if stream is not None:
                 return EventStream(stream, lambda: self._end(job))
-            finals = await self._collect(job, job.streams)
+            finals = await self._collect(job)
         except BaseException as e:  # including cancellation: the client left
             await self._end(job, error=str(e) or type(e).__name__)
             if stream is not None:
@@ -175,11 +179,7 @@ class OpenAIServing:
         self, request: CompletionRequest, http_id: str, headers: Mapping[str, str] | None = None
     ) -> dict | EventStream:
         self.check_model(request.model)
-        if request.response_format is not None and request.response_format.type != "text":
-            raise errors.bad_request(
-                f"response_format {request.response_format.type!r} is not supported yet; use 'text'",
-                param="response_format",
-            )
+        self._check_response_format(request)
         if request.suffix:
             raise errors.bad_request("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -291,11 +291,7 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, http_id: str, headers: Mapping[str, str] | None = None
     ) -> dict | EventStream:
         self.check_model(request.model)
-        if request.response_format is not None and request.response_format.type != "text":
-            raise errors.bad_request(
-                f"response_format {request.response_format.type!r} is not supported yet; use 'text'",
-                param="response_format",
-            )
+        self._check_response_format(request)
         if request.tool_choice not in (None, "none", "auto"):
             raise errors.bad_request("tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -497,9 +493,9 @@ class OpenAIServing:
             job.finals[out.request_id] = out
             log_finished(out, self.model_name)
 
-    async def _collect(self, job: _Job, streams: list) -> list[RequestOutput]:
+    async def _collect(self, job: _Job) -> list[RequestOutput]:
         try:
-            async for _ in self._merged(job, streams):
+            async for _ in self._merged(job, job.streams):
                 pass
         except EngineDeadError as e:
             raise errors.internal_error(str(e)) from None

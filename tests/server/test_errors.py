@@ -116,3 +116,10 @@ def test_the_server_still_serves_after_bad_input(http, server):
     res = http.post("/v1/completions", json=GOOD)
     assert res.status_code == 200 and res.json()["choices"][0]["text"]
     assert server.wait_idle()
+
+
+def test_a_bad_prompt_in_a_list_leaves_nothing_running(http, server):
+    prompts = ["Hello there", "hello " * (MAX_MODEL_LEN + 50)]
+    err = _error(http.post("/v1/completions", json={"prompt": prompts, "max_tokens": 300, "ignore_eos": True}), 400)
+    assert err["code"] == "context_length_exceeded"
+    assert server.wait_idle(timeout=5)

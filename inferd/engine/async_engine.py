@@ -62,6 +62,40 @@ class _Stream:
         self.finished = False
 
 
+class RequestStream:
+    """One request's outputs, as an async iterator. ``aclose`` aborts the
+    request unless it has finished, whether or not iteration ever began (an
+    async generator's ``finally`` would not run if it had not)."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._stream = stream
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finished:
+            await self.aclose()
+        return item
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._stream.finished:  # closed early: free its blocks now
+            self._engine.abort(self.request_id)
+        self._engine._streams.pop(self.request_id, None)
+
+
 class AsyncLLMEngine:
     def __init__(
         self,
@@ -117,7 +151,7 @@ class AsyncLLMEngine:
 
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Queues a request; returns its output stream once the engine has
         accepted it. Raises the engine's ``ValueError`` for a bad request and
         ``EngineDeadError`` when the loop has stopped."""
@@ -138,30 +172,18 @@ class AsyncLLMEngine:
             if not done.done():  # cancelled while waiting: the add may still land
                 self._inbox.put(_Abort(request_id))
             raise
-        return self._outputs(request_id, stream)
+        return RequestStream(self, request_id, stream)
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """``add_request`` and iterate its outputs in one call."""
         outputs = await self.add_request(request_id, prompt, params)
-        async for out in outputs:
-            yield out
-
-    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+            async for out in outputs:
+                yield out
         finally:
-            # Closed early (client gone, task cancelled) or failed: free it now.
-            if not stream.finished:
-                self.abort(request_id)
-            self._streams.pop(request_id, None)
+            await outputs.aclose()
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._streams

@@ -39,6 +39,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache memory (default: min(4 GiB, 20%% of RAM))")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per engine step")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not share the K/V of identical prompt prefixes")
     g.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: one per core)")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine events")
 
@@ -98,6 +99,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=a.kv_cache_memory_gb,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_prefix_caching=not a.no_prefix_caching,
         num_threads=a.threads,
     )
 

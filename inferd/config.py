@@ -31,6 +31,8 @@ class EngineConfig:
     # Overrides the memory budget with an exact block count (tests, tuning).
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
+    # Share the K/V of identical prompt prefixes between requests.
+    enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 1024
     seed: int = 0
     # Intra-op threads for torch on CPU; None keeps torch's default (one per core).

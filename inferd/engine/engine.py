@@ -51,7 +51,7 @@ class LLMEngine:
             )
         per_block = kv_cache_bytes_per_block(arch, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes() // per_block)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,

@@ -5,16 +5,34 @@ A request's block table lists the blocks that hold its tokens in order: token
 ``p`` lives in slot ``p % block_size`` of block ``table[p // block_size]``.
 The runner owns the tensors; this module owns only the ids.
 
-Blocks are ref-counted so a later prefix cache can share full blocks between
-requests: a block with ``ref_cnt == 0`` sits in the free queue. The free queue
-is a doubly linked list threaded through the blocks, so taking a block from the
-front, returning one to the back, and pulling one out of the middle (a prefix
-hit on a freed-but-still-cached block) are all O(1).
+Prefix caching: once a block is full and its K/V computed, it gets a
+chained hash (its parent block's hash, its token ids and an optional extra
+key such as a cache salt) and goes into a hash -> block index. A new request
+looks its full prompt blocks up in order and shares every hit by ref count;
+the prompt's last token is always recomputed, so a hit never covers a whole
+prompt. Blocks are ref-counted: a block with ``ref_cnt == 0`` sits in the
+free queue and keeps its hash, so it can still be hit until it is reused.
+The free queue is a doubly linked list threaded through the blocks, so
+taking a block from the front (the least recently freed: eviction, lazily
+dropping its hash), returning one to the back, and pulling one out of the
+middle (a hit on a freed-but-still-cached block) are all O(1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Sequence
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: str | None = None) -> BlockHash:
+    """The chained hash of a full block: 16 bytes of BLAKE2b, so two
+    different prefixes sharing a hash is not a practical concern."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent if parent is not None else (extra_key or "").encode())
+    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    return h.digest()
 
 
 class KVCacheBlock:
@@ -23,9 +41,9 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        # Hash of the full block's tokens (and of its prefix), set by prefix
-        # caching once the block is full; None while the block is partial.
-        self.block_hash: int | None = None
+        # Chained hash of the full block's tokens (and of its prefix), set by
+        # prefix caching once the block is full; None while partial or evicted.
+        self.block_hash: BlockHash | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -87,6 +105,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -107,17 +126,36 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            assert block.ref_cnt == 0, block
+            if block.block_hash is not None:  # evicted: its K/V is about to be overwritten
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each (prefix hits); a free one leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Index a full, computed block; the first block with a hash keeps it."""
+        block.block_hash = block_hash
+        self.cached.setdefault(block_hash, block)
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; the unreferenced go to the back
         of the free queue in the order given (so pass a table tail-first to
         have a request's last blocks reused first)."""
         for block in blocks:
-            assert block.ref_cnt > 0, block
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
@@ -126,12 +164,17 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block tables over a ``BlockPool``."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[KVCacheBlock]] = {}
+        # Prefix hits found by get_computed_blocks, taken by allocate_slots.
+        self._hits: dict[str, list[KVCacheBlock]] = {}
+        # Per request: how many leading blocks of its table are hashed.
+        self._num_hashed: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -148,34 +191,68 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> int:
-        """Number of leading tokens of ``token_ids`` already in the cache.
-
-        This is where prefix caching plugs in (a hash per full block, looked
-        up in an index, hits shared by ref count). Without it nothing is ever
-        cached across requests, so the answer is 0.
-        """
-        return 0
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int], extra_key: str | None = None) -> int:
+        """Number of leading tokens of ``token_ids`` already in the cache: the
+        full blocks whose chained hashes hit, never the last token. The hits
+        are held for this request's next ``allocate_slots``, which shares them."""
+        hits: list[KVCacheBlock] = []
+        if self.enable_prefix_caching:
+            parent = None
+            for start in range(0, len(token_ids) - self.block_size, self.block_size):
+                parent = hash_block(parent, token_ids[start : start + self.block_size], extra_key)
+                block = self.pool.lookup(parent)
+                if block is None:
+                    break
+                hits.append(block)
+        self._hits[request_id] = hits
+        return len(hits) * self.block_size
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grow the request's table to cover ``num_tokens`` tokens.
+        """Grow the request's table to cover ``num_tokens`` tokens, starting a
+        new table from the prefix hits found for it.
 
-        Returns the ids of the newly added blocks, or None, allocating
-        nothing, when the pool has too few free blocks.
+        Returns the ids of the newly added blocks (hits included), or None,
+        taking nothing, when the pool has too few free blocks.
         """
-        table = self._tables.setdefault(request_id, [])
-        need = self.blocks_needed(num_tokens) - len(table)
-        if need <= 0:
-            return []
-        if need > self.pool.num_free_blocks:
-            if not table:
-                del self._tables[request_id]
+        table = self._tables.get(request_id)
+        hits = self._hits.get(request_id, []) if table is None else []
+        have = len(hits) if table is None else len(table)
+        need = self.blocks_needed(num_tokens) - have
+        # Free hits leave the free queue when shared: they count against it.
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if need > 0 and need + free_hits > self.pool.num_free_blocks:
             return None
-        new = self.pool.allocate(need)
+        if table is None:
+            self._hits.pop(request_id, None)
+            self.pool.touch(hits)
+            table = self._tables[request_id] = list(hits)
+            self._num_hashed[request_id] = len(hits)
+        new = self.pool.allocate(need) if need > 0 else []
         table.extend(new)
-        return [b.block_id for b in new]
+        return [b.block_id for b in (hits + new)]
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int, extra_key: str | None = None) -> None:
+        """Index the request's blocks that ``num_computed`` tokens (K/V written)
+        have filled; ``token_ids`` are its tokens so far."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        done = self._num_hashed.get(request_id, 0)
+        full = min(num_computed, len(token_ids)) // self.block_size
+        parent = table[done - 1].block_hash if done else None
+        for i in range(done, min(full, len(table))):
+            bs = self.block_size
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            self.pool.cache(table[i], parent)
+        self._num_hashed[request_id] = max(done, min(full, len(table)))
 
     def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first: its last blocks (the
+        least likely to be shared) are evicted before its first ones."""
+        self._hits.pop(request_id, None)
+        self._num_hashed.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))

@@ -163,7 +163,10 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance the counters of every request that ran this step."""
         for s in out.scheduled:
-            s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            request = s.request
+            request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            # Blocks this step filled can now be shared by later requests.
+            self.kv_cache.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
 
     # Leaving ---------------------------------------------------------------
 

@@ -236,3 +236,18 @@ def test_abort_frees_blocks_at_once(llm, prompt_ids):
     outs = engine.step()
     assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
     assert not engine.has_unfinished_requests()
+
+
+def test_a_repeated_prefix_comes_from_the_cache_with_the_same_tokens(llm):
+    system = "You are a careful assistant who answers in one short sentence. " * 6
+    first_prompt = system + "Question: what is the color of the sky?"
+    second_prompt = system + "Question: what do bees make?"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    sched = llm.engine.scheduler
+    cold = llm.generate([second_prompt], params, use_tqdm=False)[0]  # nothing of it cached yet
+    llm.generate([first_prompt], params, use_tqdm=False)
+    hits_before = sched.prefix_cache_hits
+    warm = llm.generate([second_prompt], params, use_tqdm=False)[0]
+    n = len(warm.prompt_token_ids)
+    assert sched.prefix_cache_hits - hits_before == (n - 1) // 16 * 16  # all full blocks but the last token's
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -31,6 +31,7 @@ bench: setup
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/serving_sweep.py
+	$(PY) benchmarks/prefix_cache.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

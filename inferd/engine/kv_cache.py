@@ -13,9 +13,10 @@ the prompt's last token is always recomputed, so a hit never covers a whole
 prompt. Blocks are ref-counted: a block with ``ref_cnt == 0`` sits in the
 free queue and keeps its hash, so it can still be hit until it is reused.
 The free queue is a doubly linked list threaded through the blocks, so
-taking a block from the front (the least recently freed: eviction, lazily
-dropping its hash), returning one to the back, and pulling one out of the
-middle (a hit on a freed-but-still-cached block) are all O(1).
+taking a block from the front (eviction, lazily dropping its hash),
+returning one to either end (hashed blocks to the back, to be evicted last;
+blocks with nothing cached to the front, to be reused first), and pulling
+one out of the middle (a hit on a freed-but-still-cached block) are all O(1).
 """
 
 from __future__ import annotations
@@ -75,11 +76,15 @@ class FreeBlockQueue:
         return block
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, node: KVCacheBlock, block: KVCacheBlock) -> None:
+        block.prev_free, block.next_free = node, node.next_free
+        node.next_free.prev_free = block
+        node.next_free = block
         self._len += 1
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -150,15 +155,20 @@ class BlockPool:
         self.cached.setdefault(block_hash, block)
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; the unreferenced go to the back
-        of the free queue in the order given (so pass a table tail-first to
-        have a request's last blocks reused first)."""
+        """Drop one reference from each block. An unreferenced block with a
+        hash goes to the back of the free queue (evicted last; pass a table
+        tail-first so its first blocks outlive its last); one without a hash
+        holds nothing to keep and goes to the front, reused first: its memory
+        is already committed and warm, so an idle KV budget stays untouched."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed more often than taken")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
 
 class KVCacheManager:

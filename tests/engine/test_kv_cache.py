@@ -33,7 +33,7 @@ def test_pool_allocates_in_order_and_counts_refs():
     a[1].ref_cnt += 1  # shared by a second owner
     pool.free(a)
     assert a[1].ref_cnt == 1
-    assert pool.free_queue.block_ids() == [3, 0, 2]
+    assert pool.free_queue.block_ids() == [2, 0, 3]  # nothing cached: to the front
 
 
 def test_manager_grows_tables_block_by_block():
@@ -55,12 +55,12 @@ def test_manager_allocates_nothing_when_short():
     assert kv.block_ids("a") == [0, 1]
 
 
-def test_free_returns_tail_first_so_last_blocks_are_reused_first():
+def test_blocks_holding_nothing_cached_are_reused_first():
     kv = KVCacheManager(num_blocks=4, block_size=2)
-    kv.allocate_slots("a", 6)  # blocks 0, 1, 2
+    kv.allocate_slots("a", 6)  # blocks 0, 1, 2, never hashed
     kv.free("a")
-    assert kv.pool.free_queue.block_ids() == [3, 2, 1, 0]
-    assert kv.allocate_slots("b", 4) == [3, 2]
+    assert kv.pool.free_queue.block_ids() == [0, 1, 2, 3]  # the used ones before the never-touched 3
+    assert kv.allocate_slots("b", 4) == [0, 1]
     kv.free("missing")  # freeing an unknown request is a no-op
     assert kv.num_free_blocks == 2
 
@@ -108,11 +108,11 @@ def test_freed_blocks_keep_their_hash_until_evicted_least_recent_first():
     kv = KVCacheManager(num_blocks=6, block_size=2)
     a = [1, 2, 3, 4, 5, 6, 9]  # blocks 0, 1, 2 full; 3 partial
     _run(kv, "a", a)
-    kv.free("a")  # tail first: 3, 2, 1, 0 go to the back
-    assert kv.pool.free_queue.block_ids() == [4, 5, 3, 2, 1, 0]
+    kv.free("a")  # tail first: the partial 3 to the front, then 2, 1, 0 to the back
+    assert kv.pool.free_queue.block_ids() == [3, 4, 5, 2, 1, 0]
     assert kv.get_computed_blocks("x", a) == 6  # all three full blocks still hit
-    # A stranger takes 4 blocks: the never-used 4, 5, then 3 and 2, evicting 2's hash.
-    assert _run(kv, "s", [50, 51, 52, 53, 54, 55, 56]) == [0, 4, 5, 3, 2]
+    # A stranger takes 4 blocks: 3, the never-used 4 and 5, then 2, evicting 2's hash.
+    assert _run(kv, "s", [50, 51, 52, 53, 54, 55, 56]) == [0, 3, 4, 5, 2]
     assert kv.get_computed_blocks("x", a) == 4  # blocks 0 and 1 are left
     assert kv.pool.free_queue.block_ids() == [1, 0]
     # A hit on a free block takes it out of the free queue; the new block
@@ -128,7 +128,7 @@ def test_a_hit_that_cannot_be_allocated_takes_nothing():
     a = [1, 2, 3, 4, 5]
     _run(kv, "a", a)
     kv.free("a")
-    assert kv.allocate_slots("big", 4) == [3, 2]  # the partial block 2 and never-used 3
+    assert kv.allocate_slots("big", 4) == [2, 3]  # the partial block 2, then the never-used 3
     assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4  # blocks 0 and 1
     assert kv.allocate_slots("b", 9) is None  # the 2 free hits plus 3 new blocks; 2 are free
     assert not kv.has("b") and kv.pool.blocks[0].ref_cnt == 0 and kv.num_free_blocks == 2

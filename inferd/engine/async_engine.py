@@ -164,7 +164,7 @@ class AsyncLLMEngine:
         self._adds_sent += 1
         self._inbox.put(_Add(request_id, prompt, params, time.time(), done))
         if self.dead_error is not None and not done.done():  # died as we sent it
-            done.set_exception(EngineDeadError(f"engine loop died: {self.dead_error!r}"))
+            done.set_exception(self._dead())
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -203,9 +203,12 @@ class AsyncLLMEngine:
                 stream.queue.put_nowait(error)
                 self._inbox.put(_Abort(request_id))
 
+    def _dead(self) -> EngineDeadError:
+        return EngineDeadError(f"engine loop died: {self.dead_error!r}")
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
+            raise self._dead()
         if not self.is_running:
             raise EngineDeadError("engine is not running")
 
@@ -225,7 +228,7 @@ class AsyncLLMEngine:
         except BaseException as e:  # noqa: BLE001 - report, then every stream fails
             logger.exception("engine loop died")
             self.dead_error = e
-            error = EngineDeadError(f"engine loop died: {e!r}")
+            error = self._dead()
             self._fail_pending_adds(error)
             self._to_loop(self.abort_all, error)
 

@@ -294,6 +294,8 @@ class OpenAIServing:
         self._check_response_format(request)
         if request.tool_choice not in (None, "none", "auto"):
             raise errors.bad_request("tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
+        if request.continue_final_message:
+            raise errors.bad_request("continue_final_message is not supported yet", param="continue_final_message")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, request.resolved_max_tokens(), logprobs)
         prompt_ids = self.render_chat(request)

@@ -68,6 +68,7 @@ def test_wrong_types_are_a_400_naming_the_field(http, route, body, param):
         ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, None),
         ("/v1/chat/completions", CHAT | {"messages": []}, "messages"),
         ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", CHAT | {"continue_final_message": True}, "continue_final_message"),
     ],
 )
 def test_out_of_range_values_are_a_400(http, route, body, param):

@@ -41,6 +41,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per engine step")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share the K/V of identical prompt prefixes")
     g.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: one per core)")
+    g.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL", help="speculative decoding: prompt-lookup n-grams or a draft model (default: off)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step with --speculative")
+    g.add_argument("--speculative-max-batch", type=int, default=4, help="propose drafts only while at most this many requests run")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine events")
 
 
@@ -101,6 +104,9 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching,
         num_threads=a.threads,
+        speculative=a.speculative,
+        num_speculative_tokens=a.num_speculative_tokens,
+        speculative_max_batch=a.speculative_max_batch,
     )
 
 

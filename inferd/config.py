@@ -37,6 +37,14 @@ class EngineConfig:
     seed: int = 0
     # Intra-op threads for torch on CPU; None keeps torch's default (one per core).
     num_threads: int | None = None
+    # Speculative decoding: None (off), "ngram" (prompt lookup) or
+    # "draft:MODEL" (a small model of the same tokenizer proposes).
+    speculative: str | None = None
+    # Draft tokens proposed per step for each decoding request.
+    num_speculative_tokens: int = 4
+    # Propose only while at most this many requests run: a bigger batch
+    # already keeps the hardware busy, and drafts then cost more than they save.
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -55,10 +63,23 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if self.speculative is not None:
+            self.speculative_method()  # validates
+            _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+            _positive_int("speculative_max_batch", self.speculative_max_batch)
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def speculative_method(self) -> tuple[str, str | None]:
+        """("ngram", None) or ("draft", model path); raises ValueError naming the field."""
+        spec = self.speculative
+        if spec == "ngram":
+            return "ngram", None
+        if isinstance(spec, str) and spec.startswith("draft:") and len(spec) > len("draft:"):
+            return "draft", spec[len("draft:") :]
+        raise ValueError(f"speculative must be 'ngram' or 'draft:MODEL', got {spec!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -17,6 +17,7 @@ from inferd.engine.request import Request, RequestStatus
 from inferd.engine.runner import ModelRunner, kv_cache_bytes_per_block
 from inferd.engine.sampler import Sampler
 from inferd.engine.scheduler import Scheduler, SchedulerConfig
+from inferd.engine.spec_decode import AdaptiveSpeculation, NgramProposer, Proposer
 from inferd.models.default import default_model_path
 from inferd.models.loader import load_checkpoint
 from inferd.models.registry import build_model
@@ -69,6 +70,11 @@ class LLMEngine:
             device=self.device,
             sampler=Sampler(seed=config.seed),
         )
+        self._proposer: Proposer | None = None
+        self._speculation: AdaptiveSpeculation | None = None
+        if config.speculative is not None:
+            self._proposer = self._build_proposer(config)
+            self._speculation = AdaptiveSpeculation()
         self._states: dict[str, RequestState] = {}
         self._child_to_state: dict[str, RequestState] = {}
         # Outputs produced outside a step (aborts), returned by the next step.
@@ -78,6 +84,12 @@ class LLMEngine:
             "loaded %s (%s, %s) in %.2fs: %d KV blocks of %d tokens",
             self.model_path, self.dtype, self.device, self.load_time_s, num_blocks, config.block_size,
         )
+
+    def _build_proposer(self, config: EngineConfig) -> Proposer:
+        method, _ = config.speculative_method()
+        if method == "ngram":
+            return NgramProposer(config.num_speculative_tokens)
+        raise ValueError(f"speculative method {method!r} is not built yet")
 
     # Requests in ------------------------------------------------------------
 
@@ -144,7 +156,7 @@ class LLMEngine:
             for child in state.children:
                 if not child.is_finished:
                     self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
-                self._child_to_state.pop(child.request_id, None)
+                self._forget(child)
             self._pending.append(make_output(state))
 
     def has_unfinished_requests(self) -> bool:
@@ -166,7 +178,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
             logger.exception("engine step failed; failing its %d requests", len(sched.scheduled))
             return outputs + self._fail([s.request for s in sched.scheduled], e)
-        self.scheduler.update_after_step(sched)
+        self.scheduler.update_after_step(sched, result.num_rejected(sched))
 
         now = time.time()
         touched: dict[str, RequestState] = {}
@@ -175,29 +187,63 @@ class LLMEngine:
             sampled = result.sampled.get(req.request_id)
             if sampled is None:
                 continue
-            token, logprobs = sampled
-            req.append_output_token(token)
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs)
+            if s.spec_token_ids and self._speculation is not None:
+                self._speculation.observe(req.request_id, len(s.spec_token_ids), len(sampled) - 1)
             if req.first_token_time is None:
                 req.first_token_time = now
             state = self._child_to_state[req.request_id]
             detok = state.detokenizers[state.children.index(req)]
-            status = check_stop(req, detok, self.max_model_len)
-            if status is not None:
-                self.scheduler.finish_request(req, status)
+            for token, logprobs in sampled:
+                req.append_output_token(token)
+                if logprobs is not None:
+                    req.output_logprobs.append(logprobs)
+                status = check_stop(req, detok, self.max_model_len)
+                if status is not None:
+                    # Tokens accepted after a stop are dropped, as if never drawn.
+                    self.scheduler.finish_request(req, status)
+                    break
             touched[state.request_id] = state
         for state in touched.values():
             outputs.append(self._emit(state))
+        self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for the next step of each decoding request."""
+        if self._proposer is None or self._speculation is None:
+            return
+        running = self.scheduler.running
+        if not running or len(running) > self.config.speculative_max_batch:
+            return
+        requests: list[Request] = []
+        limits: list[int] = []
+        for req in running:
+            # Room for the drafts and the token after them within max_tokens
+            # (which admission already fitted in the context length).
+            room = (req.max_tokens or 0) - req.num_output_tokens - 1
+            if room <= 0 or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            if not self._speculation.should_propose(req.request_id):
+                continue
+            requests.append(req)
+            limits.append(min(room, self.config.num_speculative_tokens))
+        if not requests:
+            return
+        for req, drafts in zip(requests, self._proposer.propose(requests, limits), strict=True):
+            req.spec_token_ids = drafts
 
     def _emit(self, state: RequestState) -> RequestOutput:
         out = make_output(state)
         if out.finished:
             self._states.pop(state.request_id, None)
             for child in state.children:
-                self._child_to_state.pop(child.request_id, None)
+                self._forget(child)
         return out
+
+    def _forget(self, child: Request) -> None:
+        self._child_to_state.pop(child.request_id, None)
+        if self._speculation is not None:
+            self._speculation.forget(child.request_id)
 
     def _fail(self, requests: list[Request], error: Exception) -> list[RequestOutput]:
         states: dict[str, RequestState] = {}

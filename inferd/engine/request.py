@@ -65,6 +65,9 @@ class Request:
         # Per output token: (chosen token's logprob, top alternatives), when asked for.
         self.output_logprobs: list[tuple[float, TopLogprobs]] = []
         self.num_computed_tokens = 0
+        # Draft tokens proposed for the next step (speculative decoding); they
+        # become output only once the target model has verified them.
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -6,7 +6,8 @@ a request still prefilling takes as much of its prompt as the budget allows,
 minus one token kept back for each running request behind it, so a long
 prompt is prefilled in chunks while the others keep decoding. What budget is
 left goes to waiting requests in arrival order, up to ``max_num_seqs``
-running at once.
+running at once. Draft tokens proposed for a decoding request (speculative
+decoding) are scheduled with its decode and take budget like any token.
 
 When the pool has no block for a running request, the most recently admitted
 running request is preempted: its blocks are freed, its progress reset, and it
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from inferd.engine.kv_cache import KVCacheManager
@@ -58,6 +60,10 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at admission, and found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Speculative decoding: steps that verified drafts, drafts, accepted.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     # Admission -------------------------------------------------------------
 
@@ -107,7 +113,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             behind = len(self.running) - i - 1
-            num_new = min(request.num_tokens - request.num_computed_tokens, max(1, budget - behind))
+            room = max(1, budget - behind)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, room)
+            # Draft tokens ride along with a decode, as far as the budget goes.
+            spec = request.spec_token_ids[: room - 1] if remaining == 1 else []
+            request.spec_token_ids = []
+            num_new += len(spec)
             while self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             ) is None:
@@ -117,7 +129,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, num_new))
+                out.scheduled.append(self._scheduled(request, num_new, spec))
                 budget -= num_new
                 i += 1
 
@@ -144,27 +156,44 @@ class Scheduler:
                 budget -= num_new
         return out
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
             num_computed_tokens=request.num_computed_tokens,
             num_new_tokens=num_new,
             block_ids=self.kv_cache.block_ids(request.request_id),
+            spec_token_ids=spec or [],
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance the counters of every request that ran this step."""
+    def update_after_step(self, out: SchedulerOutput, num_rejected: Mapping[str, int] | None = None) -> None:
+        """Advance the counters of every request that ran this step.
+
+        ``num_rejected`` counts, per request, the draft tokens the model did
+        not confirm: their K/V slots were written but hold nothing, so the
+        request's progress stops before them and the next step overwrites them.
+        """
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            rejected = num_rejected.get(request.request_id, 0) if num_rejected else 0
+            if not 0 <= rejected <= len(s.spec_token_ids):
+                raise ValueError(
+                    f"request {request.request_id}: {rejected} rejected of "
+                    f"{len(s.spec_token_ids)} draft tokens"
+                )
+            request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens - rejected
+            if s.spec_token_ids:
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += len(s.spec_token_ids)
+                self.spec_num_accepted_tokens += len(s.spec_token_ids) - rejected
             # Blocks this step filled can now be shared by later requests.
             self.kv_cache.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
 

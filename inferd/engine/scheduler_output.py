@@ -17,12 +17,21 @@ class ScheduledRequest:
     # The request's whole block table (block ids), covering every token up to
     # num_computed_tokens + num_new_tokens.
     block_ids: list[int]
+    # Draft tokens verified this step, after the request's last known token;
+    # counted in num_new_tokens. Empty without speculative decoding.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens: its last
-        position's logits are sampled for the next token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known position's logits (and each draft token's) are sampled."""
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.num_computed_tokens + known == self.request.num_tokens
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows whose logits are sampled: the last known token and each draft."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
 
 @dataclass

@@ -60,6 +60,9 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Decode steps that verified draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens the model confirmed.")
         self._success = Counter(
             "inferd:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
@@ -78,7 +81,9 @@ class ServerMetrics:
             r.register(gpus)
         self._last_token_time: dict[tuple[str, int], float] = {}
         # Counters of the scheduler last seen, so each step adds its delta.
-        self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._seen = dict.fromkeys(
+            ("preemptions", "prefix_queries", "prefix_hits", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"), 0
+        )
 
     def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
         """Gauges read live at scrape time, so they are right when idle too."""

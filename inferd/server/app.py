@@ -96,6 +96,9 @@ class ServerState:
                     "preemptions": scheduler.num_preemptions,
                     "prefix_queries": scheduler.prefix_cache_queries,
                     "prefix_hits": scheduler.prefix_cache_hits,
+                    "spec_drafts": scheduler.spec_num_drafts,
+                    "spec_draft_tokens": scheduler.spec_num_draft_tokens,
+                    "spec_accepted_tokens": scheduler.spec_num_accepted_tokens,
                 },
             )
 

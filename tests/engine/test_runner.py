@@ -73,7 +73,7 @@ def test_logits_only_at_sampled_rows_keyed_by_request() -> None:
     assert isinstance(out, RunnerOutput)
     assert set(out.sampled) == {"full", "dec"}
     for i, rid in enumerate(["dec", "full"]):
-        assert out.sampled[rid] == (int(logits[i].argmax()), None)
+        assert out.sampled[rid] == [(int(logits[i].argmax()), None)]
     # The runner leaves request bookkeeping to the engine.
     assert [r.num_computed_tokens for r in reqs.values()] == [0, 0, 4]
     assert [r.num_output_tokens for r in reqs.values()] == [0, 0, 0]
@@ -101,7 +101,7 @@ def test_custom_sampler_gets_logits_and_requests() -> None:
     sched, _ = _mixed_step()
     out = _runner(_model(), sampler=sampler).execute(sched)
     assert seen == [((2, VOCAB), ["dec", "full"])]
-    assert out.sampled == {"dec": (5, (-0.5, [(5, -0.5)])), "full": (6, None)}
+    assert out.sampled == {"dec": [(5, (-0.5, [(5, -0.5)]))], "full": [(6, None)]}
 
 
 def test_bfloat16_runs_close_to_float32() -> None:

@@ -74,3 +74,35 @@ def test_gauges_return_to_zero_when_idle(http, server):
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert _value(idle, f"inferd:{gauge}") == 0, gauge
     assert _value(idle, "inferd:request_success_total", finished_reason="abort") >= 1
+
+
+def test_speculative_decoding_counters_match_the_engine_and_text_matches_plain(http, server):
+    from inferd.engine.engine import LLMEngine
+
+    from tests.server.conftest import engine_config, live_server
+
+    passage = "Rain fell on the old stone bridge, and the river carried the leaves away to the sea."
+    body = {
+        "prompt": f"Copy the text.\nText: {passage}\nCopy: {passage[:20]}",
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    engine = LLMEngine(engine_config(speculative="ngram", num_kv_blocks=256))
+    spec_server = live_server(engine, served_model_name="smol")
+    try:
+        import httpx
+
+        with httpx.Client(base_url=spec_server.url, timeout=60) as c:
+            res = c.post("/v1/completions", json=body)
+            assert res.status_code == 200
+            assert res.json()["choices"][0]["text"] == plain
+            samples = _scrape(c)
+    finally:
+        spec_server.stop()
+    sched = engine.scheduler
+    assert sched.spec_num_accepted_tokens > 0
+    assert _value(samples, "inferd:spec_decode_num_drafts_total") == sched.spec_num_drafts
+    assert _value(samples, "inferd:spec_decode_num_draft_tokens_total") == sched.spec_num_draft_tokens
+    assert _value(samples, "inferd:spec_decode_num_accepted_tokens_total") == sched.spec_num_accepted_tokens

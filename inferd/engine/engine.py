@@ -10,6 +10,7 @@ import torch
 
 from inferd.config import EngineConfig
 from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.draft import DraftModelProposer
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.output_processor import RequestState, check_stop, make_output
 from inferd.engine.outputs import RequestOutput
@@ -86,10 +87,27 @@ class LLMEngine:
         )
 
     def _build_proposer(self, config: EngineConfig) -> Proposer:
-        method, _ = config.speculative_method()
+        method, draft_path = config.speculative_method()
         if method == "ngram":
             return NgramProposer(config.num_speculative_tokens)
-        raise ValueError(f"speculative method {method!r} is not built yet")
+        draft = load_checkpoint(str(draft_path))
+        if draft.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative: draft model {draft_path} has a vocabulary of {draft.config.vocab_size} "
+                f"tokens, the target {self.model_config.vocab_size}; they must share a tokenizer"
+            )
+        model = build_model(draft.config, self.dtype, self.device)
+        model.load_weights(draft.weights(self.dtype))
+        model.eval()
+        runner = ModelRunner(
+            model,
+            draft.config,
+            num_blocks=self.kv_cache.num_blocks,
+            block_size=self.kv_cache.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        return DraftModelProposer(runner, self.kv_cache, config.num_speculative_tokens)
 
     # Requests in ------------------------------------------------------------
 
@@ -242,8 +260,9 @@ class LLMEngine:
 
     def _forget(self, child: Request) -> None:
         self._child_to_state.pop(child.request_id, None)
-        if self._speculation is not None:
+        if self._speculation is not None and self._proposer is not None:
             self._speculation.forget(child.request_id)
+            self._proposer.forget(child.request_id)
 
     def _fail(self, requests: list[Request], error: Exception) -> list[RequestOutput]:
         states: dict[str, RequestState] = {}

@@ -46,6 +46,10 @@ class Proposer(Protocol):
         """Up to ``limits[i]`` draft tokens following each request's tokens."""
         ...
 
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept for a request that has left."""
+        ...
+
 
 class DraftPosition:
     """A request as the sampler sees it at one draft position: its output
@@ -94,6 +98,9 @@ class NgramProposer:
 
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
         return [self.propose_one(r.all_token_ids, k) for r, k in zip(requests, limits, strict=True)]
+
+    def forget(self, request_id: str) -> None:
+        pass  # keeps nothing per request
 
     def propose_one(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
         k = self.num_speculative_tokens if limit is None else min(limit, self.num_speculative_tokens)

@@ -206,3 +206,64 @@ def test_speculation_is_off_above_the_batch_limit(default_model_path):
     assert llm.engine.scheduler.spec_num_drafts == 0
     llm.generate([ids], params, use_tqdm=False)
     assert llm.engine.scheduler.spec_num_drafts > 0
+
+
+# Draft-model proposals -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def random_draft_dir(tmp_path_factory, default_model_path):
+    """A tiny random Llama over the default model's vocabulary: its drafts are
+    mostly wrong, which exercises rejection."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("draft") / "tiny-draft"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("draft", ["self", "random"])
+def test_draft_model_speculation_gives_plain_decodings_output(llm, default_model_path, random_draft_dir, draft):
+    path = default_model_path if draft == "self" else random_draft_dir
+    spec = LLM(
+        str(default_model_path), dtype="float32", kv_cache_memory_gb=0.5, max_model_len=2048,
+        speculative=f"draft:{path}", num_speculative_tokens=3, speculative_max_batch=8,
+    )
+    requests = _mixed_requests(llm.tokenizer)[:4]
+    prompts = [ids for ids, _ in requests]
+    params = [p for _, p in requests]
+    assert _summary(spec.generate(prompts, params, use_tqdm=False)) == _summary(
+        llm.generate(prompts, params, use_tqdm=False)
+    )
+    sched = spec.engine.scheduler
+    rate = sched.spec_num_accepted_tokens / sched.spec_num_draft_tokens
+    if draft == "self":
+        assert rate > 0.9  # the target drafting for itself is nearly always right
+    else:
+        assert rate < 0.5
+    # A second round reuses the draft's KV for what it already computed.
+    again = spec.generate(prompts[:1], params[:1], use_tqdm=False)
+    assert again[0].outputs[0].token_ids == llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_draft_model_must_share_the_vocabulary(default_model_path, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.models.test_hf_loader import TINY_LLAMA
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "small-vocab"
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(path)
+
+    AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name).save_pretrained(path)
+    with pytest.raises(ValueError, match="draft model .* vocabulary of 128 tokens, the target 49152"):
+        LLM(str(default_model_path), kv_cache_memory_gb=0.1, speculative=f"draft:{path}")

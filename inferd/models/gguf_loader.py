@@ -1,7 +1,7 @@
 """Reading a GGUF file: its metadata as a ``ModelArchConfig``, its tensors under
 Hugging Face names and layouts, and its tokenizer.
 
-The file is memory-mapped by ``gguf.GGUFReader``; tensors are dequantized one
+The file is memory-mapped and its header read by ``gguf_file.GGUFFile``; tensors are dequantized one
 at a time as ``weights()`` is iterated.
 """
 
@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from inferd.models.gguf_file import GGUFFile, GGUFTensor
 
 from inferd.models.config import ModelArchConfig
 from inferd.models.gguf_dequant import DEQUANTIZABLE_TYPES, dequantize, unpermute_rows
@@ -72,8 +74,8 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._reader = GGUFReader(path)
-        except Exception as e:  # the reader fails on bad files with whatever numpy or struct raised
+            self._file = GGUFFile(path)
+        except (ValueError, OSError) as e:
             raise ValueError(f"{path}: not a valid GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from e
         self._arch = self._meta_required("general.architecture")
         if self._arch not in GGUF_ARCHITECTURES:
@@ -84,13 +86,7 @@ class GGUFCheckpoint:
 
     def meta(self, key: str) -> Any:
         """A metadata value as plain Python (str, int, float, bool, list), or None."""
-        field = self._reader.fields.get(key)
-        if field is None:
-            return None
-        try:
-            return _field_value(field)
-        except Exception as e:
-            raise ValueError(f"{self.path}: metadata {key!r} is malformed ({e})") from e
+        return self._file.fields.get(key)
 
     def _meta_required(self, key: str) -> Any:
         value = self.meta(key)
@@ -113,10 +109,10 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path}: GGUF metadata {key!r} is missing")
         return default
 
-    def _index_tensors(self) -> dict[str, ReaderTensor]:
-        file_size = len(self._reader.data)
-        tensors: dict[str, ReaderTensor] = {}
-        for t in self._reader.tensors:
+    def _index_tensors(self) -> dict[str, GGUFTensor]:
+        file_size = len(self._file.data)
+        tensors: dict[str, GGUFTensor] = {}
+        for t in self._file.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 raise ValueError(f"{self.path}: tensor {t.name!r} has no Hugging Face equivalent")
@@ -202,7 +198,7 @@ class GGUFCheckpoint:
         n_head = self._permuted_heads(name)
         if n_head is not None:
             data = unpermute_rows(data, n_head)
-        return RawTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), data)
+        return RawTensor(t.tensor_type, tuple(reversed(t.shape)), data)
 
     def _permuted_heads(self, name: str) -> int | None:
         if self._arch not in _PERMUTED_ARCHITECTURES:
@@ -221,28 +217,3 @@ class GGUFCheckpoint:
     def tokenizer(self) -> Tokenizer:
         name = self.meta("general.name") or self.path.stem
         return tokenizer_from_gguf(self.meta, str(self.path), name=str(name))
-
-
-def _field_value(field: ReaderField) -> Any:
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        if len(field.types) != 2:
-            raise ValueError("nested arrays are not supported")
-        if field.types[1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        if not field.data:
-            return []
-        return _plain(np.concatenate([field.parts[i] for i in field.data]), field.types[1]).tolist()
-    part = field.parts[field.data[0]]
-    if kind == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return _plain(part, kind).tolist()[0]
-
-
-def _plain(values: np.ndarray, kind: GGUFValueType) -> np.ndarray:
-    if kind == GGUFValueType.BOOL:
-        return values.astype(bool)
-    if kind == GGUFValueType.FLOAT32:
-        # float32 1e-05 as the Python float 1e-05, not 9.999999747378752e-06.
-        return np.array([float(str(v)) for v in values])
-    return values

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -30,10 +33,25 @@ def build_model(
         raise ValueError(
             f"model architecture {config.architecture!r} is not supported (supported: {supported})"
         )
-    # Built on the meta device so no time goes into random initialisation
-    # that the checkpoint overwrites anyway.
-    with torch.device("meta"):
+    # Built on the meta device so no memory or time goes into random
+    # initialisation that the checkpoint overwrites anyway; the init
+    # functions are skipped too, since even on meta their first call imports
+    # torch's Python reference ops (1.2 s of a cold start here).
+    with torch.device("meta"), _no_init():
         model = cls(config)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     return model.eval()
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    names = ("normal_", "uniform_", "kaiming_uniform_", "xavier_uniform_", "trunc_normal_", "zeros_", "ones_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)

@@ -25,6 +25,7 @@ from inferd.engine.request import Request
 from inferd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from inferd.engine.spec_decode import DraftPosition, num_accepted
 from inferd.layers.attention import SeqChunk, build_attention_metadata
+from inferd.layers.cpu_kernels import paged_attention_kernel
 from inferd.models.config import ModelArchConfig
 from inferd.types import TopLogprobs
 
@@ -115,7 +116,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         sampler: Sampler | None = None,
+        decode_kernel: bool | None = None,
     ) -> None:
+        """``decode_kernel``: attend decode rows with the compiled CPU kernel;
+        None uses it wherever it applies (CPU, float32 or bfloat16) and builds."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -127,6 +131,10 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.sampler: Sampler = sampler if sampler is not None else greedy_sample
+        applies = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        if decode_kernel and not applies:
+            raise ValueError(f"the CPU decode kernel does not run on {self.device} in {dtype}")
+        self.decode_kernel = applies and decode_kernel is not False and paged_attention_kernel()
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         pool = _zeroed((config.num_hidden_layers, 2, *shape), dtype, self.device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [(layer[0], layer[1]) for layer in pool]
@@ -170,7 +178,7 @@ class ModelRunner:
         if sched.is_empty:
             return None, empty
         inputs = self._prepare(sched)
-        meta = build_attention_metadata(inputs.chunks, self.block_size, self.device)
+        meta = build_attention_metadata(inputs.chunks, self.block_size, self.device, self.decode_kernel)
         meta.workspace = self._workspace_for(meta.gather_blocks)
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)

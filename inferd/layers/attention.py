@@ -9,6 +9,8 @@ A step's flat batch is ordered single-token chunks (decodes) first, then
 multi-token chunks (prefill, possibly after earlier chunks already cached).
 Every step writes its K/V into the cache first and then attends:
 
+- single-token rows, on CPU, through a compiled kernel that reads each
+  row's blocks in place (``cpu_kernels``, when it builds); otherwise
 - single-token rows in as few SDPA calls as pay: consecutive rows of similar
   length form a group whose blocks are gathered with one ``index_select``
   from a block table padded to the group's longest sequence, padding is
@@ -29,6 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from inferd.layers.cpu_kernels import paged_decode_attention
 
 
 class SeqChunk(NamedTuple):
@@ -62,6 +66,8 @@ class DecodeGroup:
     max_len: int  # longest sequence in the group, including this step's token
     # (num_rows, 1, 1, max_len) bool; None when no row needs padding.
     mask: Tensor | None
+    # (num_rows,) int64: each row's length, including this step's token.
+    seq_lens: Tensor
 
 
 # What one more SDPA call and gather cost, in blocks of K/V read: starting a
@@ -86,6 +92,9 @@ class AttentionMetadata:
     # allocations each layer cost page faults that dwarf the copy itself.
     # None allocates per call.
     workspace: Tensor | None = None
+    # Decode rows attend through the compiled CPU kernel, reading the cache
+    # in place (``inferd.layers.cpu_kernels``), instead of gather + SDPA.
+    decode_kernel: bool = False
 
     def __post_init__(self) -> None:
         expected = self.num_decodes + sum(p.query_len for p in self.prefills)
@@ -114,10 +123,15 @@ def _slots(chunk: SeqChunk, block_size: int) -> list[int]:
 
 
 def build_attention_metadata(
-    chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu"
+    chunks: Sequence[SeqChunk],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    decode_kernel: bool = False,
 ) -> AttentionMetadata:
     """Metadata for a flat batch holding ``chunks`` in order; all single-token
-    chunks must come before the multi-token ones."""
+    chunks must come before the multi-token ones. With ``decode_kernel`` the
+    decodes form one group: the kernel reads only each row's own blocks, so
+    padding costs it nothing."""
     num_decodes = 0
     while num_decodes < len(chunks) and chunks[num_decodes].query_len == 1:
         num_decodes += 1
@@ -135,7 +149,9 @@ def build_attention_metadata(
 
     decodes: list[DecodeGroup] = []
     gather_blocks = 0
-    for start, stop in _group_decodes([c.context_len + 1 for c in chunks[:num_decodes]], block_size):
+    seq_lens = [c.context_len + 1 for c in chunks[:num_decodes]]
+    groups = [(0, num_decodes)] if decode_kernel and num_decodes else _group_decodes(seq_lens, block_size)
+    for start, stop in groups:
         group = _decode_group(chunks, start, stop, block_size, device)
         decodes.append(group)
         gather_blocks = max(gather_blocks, group.block_ids.shape[0])
@@ -166,6 +182,7 @@ def build_attention_metadata(
         decodes=decodes,
         prefills=prefills,
         gather_blocks=gather_blocks,
+        decode_kernel=decode_kernel,
     )
 
 
@@ -200,9 +217,9 @@ def _decode_group(
     for chunk in chunks[start:stop]:
         row = list(chunk.block_ids[:max_blocks])
         table.extend(row + [0] * (max_blocks - len(row)))
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     mask = None
     if min(seq_lens) != max_len:
-        lens = torch.tensor(seq_lens, device=device)
         mask = (torch.arange(max_len, device=device) < lens[:, None]).view(-1, 1, 1, max_len)
     return DecodeGroup(
         start=start,
@@ -210,6 +227,7 @@ def _decode_group(
         block_ids=torch.tensor(table, dtype=torch.int64, device=device),
         max_len=max_len,
         mask=mask,
+        seq_lens=lens,
     )
 
 
@@ -241,11 +259,11 @@ class PagedAttention(nn.Module):
 
         if len(meta.decodes) == 1 and not meta.prefills:
             group = meta.decodes[0]
-            return self._decode(q, k_cache, v_cache, group, meta.workspace).view(num_tokens, -1)
+            return self._decode(q, k_cache, v_cache, group, meta).view(num_tokens, -1)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         for group in meta.decodes:
             rows = slice(group.start, group.start + group.num_rows)
-            out[rows] = self._decode(q[rows], k_cache, v_cache, group, meta.workspace)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, group, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(
@@ -282,11 +300,14 @@ class PagedAttention(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
         group: DecodeGroup,
-        workspace: Tensor | None,
+        meta: AttentionMetadata,
     ) -> Tensor:
         rows = q.shape[0]
+        if meta.decode_kernel:
+            tables = group.block_ids.view(rows, -1)
+            return paged_decode_attention(q, k_cache, v_cache, tables, group.seq_lens, self.scale)
         keys, values = self._gather(
-            k_cache, v_cache, group.block_ids, rows, group.max_len, workspace
+            k_cache, v_cache, group.block_ids, rows, group.max_len, meta.workspace
         )
         per_kv = self.num_heads // self.num_kv_heads
         # Query heads j*per_kv .. j*per_kv+per_kv-1 share KV head j; as a

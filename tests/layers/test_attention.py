@@ -29,9 +29,10 @@ def _run(
     seqs: list[Seq],
     caches: tuple[torch.Tensor, torch.Tensor],
     use_workspace: bool,
+    decode_kernel: bool = False,
 ) -> torch.Tensor:
     """One step over ``step`` (sequence index -> chunk, in batch order)."""
-    meta = build_attention_metadata(list(step.values()), BLOCK_SIZE)
+    meta = build_attention_metadata(list(step.values()), BLOCK_SIZE, decode_kernel=decode_kernel)
     if use_workspace:
         # NaN-filled: any read of scratch that the gather did not write shows.
         size = 2 * meta.gather_blocks * BLOCK_SIZE * KV_HEADS * DIM
@@ -44,8 +45,12 @@ def _run(
     return attn(q, k, v, caches[0], caches[1], meta).view(-1, HEADS, DIM)
 
 
-@pytest.mark.parametrize("use_workspace", [False, True], ids=["alloc", "workspace"])
-def test_mixed_decode_and_chunked_prefill_match_causal_sdpa(use_workspace: bool) -> None:
+@pytest.mark.parametrize(
+    ("use_workspace", "decode_kernel"),
+    [(False, False), (True, False), (True, True)],
+    ids=["alloc", "workspace", "cpu-kernel"],
+)
+def test_mixed_decode_and_chunked_prefill_match_causal_sdpa(use_workspace: bool, decode_kernel: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     lengths = [11, 6, 1, 9, 14]
     seqs = [
@@ -81,7 +86,7 @@ def test_mixed_decode_and_chunked_prefill_match_causal_sdpa(use_workspace: bool)
     }
     expected = [_reference(*seq) for seq in seqs]
     for step in (step1, step2):
-        out = _run(attn, step, seqs, caches, use_workspace)
+        out = _run(attn, step, seqs, caches, use_workspace, decode_kernel)
         assert out.shape == (sum(c.query_len for c in step.values()), HEADS, DIM)
         row = 0
         for i, chunk in step.items():

@@ -43,8 +43,10 @@ VARIANTS = {
 def bytes_per_token(model) -> int:  # noqa: ANN001
     """Bytes of every tensor one decode step reads in full."""
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    embed = model.model.embed_tokens.weight
-    if model.lm_head is not None:  # the embedding table is only indexed
+    # A float embedding table beside an LM head is only indexed; a quantized
+    # tied embedding has no table of its own (it reads the head's int8 codes).
+    embed = getattr(model.model.embed_tokens, "weight", None)
+    if model.lm_head is not None and embed is not None:
         total -= embed.numel() * embed.element_size()
     return total
 

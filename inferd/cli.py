@@ -35,6 +35,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="weight-only quantization of the linear layers, CPU only (default: none)")
+    g.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128], help="int4 group size (default: 32)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache memory (default: min(4 GiB, 20%% of RAM))")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
@@ -98,6 +100,8 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         model=a.model,
         dtype=a.dtype,
         device=a.device,
+        quantization=a.quantization,
+        quantization_group_size=a.quant_group_size,
         max_model_len=a.max_model_len,
         kv_cache_memory_gb=a.kv_cache_memory_gb,
         max_num_seqs=a.max_num_seqs,

@@ -20,7 +20,9 @@ from inferd.engine.sampler import Sampler
 from inferd.engine.scheduler import Scheduler, SchedulerConfig
 from inferd.engine.spec_decode import AdaptiveSpeculation, NgramProposer, Proposer
 from inferd.models.default import default_model_path
+from inferd.models.gguf_loader import GGUFCheckpoint
 from inferd.models.loader import load_checkpoint
+from inferd.models.quantize import quantize_model, weights_from_file
 from inferd.models.registry import build_model
 from inferd.sampling_params import SamplingParams
 
@@ -42,7 +44,13 @@ class LLMEngine:
         self.model_config = arch = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         model = build_model(arch, self.dtype, self.device)
-        model.load_weights(checkpoint.weights(self.dtype))
+        gguf = checkpoint.source if isinstance(checkpoint.source, GGUFCheckpoint) else None
+        # Weights the quantizer reads from a GGUF itself are never loaded as floats.
+        deferred = weights_from_file(checkpoint.weight_names(), arch.tie_word_embeddings) if gguf and config.quantization != "none" else set()
+        model.load_weights(checkpoint.weights(self.dtype, skip=deferred), deferred)
+        if config.quantization != "none":
+            layers = quantize_model(model, config.quantization, config.quantization_group_size, gguf)
+            logger.info("quantized %d layers: %s", len(layers), sorted(set(layers.values())))
         model.eval()
 
         self.max_model_len = config.max_model_len or arch.max_position_embeddings

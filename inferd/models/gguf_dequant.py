@@ -98,3 +98,32 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     # (n_head, half, 2, ...) -> (n_head, 2, half, ...)
     grouped = rows.reshape(n_head, half, 2, *rows.shape[1:])
     return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(rows.shape)
+
+
+# Types whose blocks map one to one onto inferd's int4 layout (group size 32).
+INT4_BLOCK_TYPES: tuple[GGMLQuantizationType, ...] = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+GGUF_BLOCK_SIZE = 32
+
+
+def q4_affine(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 tensor's own codes and block constants, no float round trip:
+    ``(rows, cols)`` uint8 codes in 0..15 and ``(rows, cols / 32)`` float32
+    scales and minimums with ``value = code * scale + minimum`` exactly as
+    ``dequantize`` computes it (Q4_0: minimum = -8 * scale)."""
+    if qtype not in INT4_BLOCK_TYPES:
+        raise ValueError(f"GGUF tensor type {qtype.name} has no 4-bit codes")
+    rows, cols = shape
+    blocks = np.asarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    scale = _scale(blocks, 0)
+    if qtype == GGMLQuantizationType.Q4_0:
+        codes, minimum = _nibbles(blocks[:, 2:]), -8 * scale
+    else:
+        codes, minimum = _nibbles(blocks[:, 4:]), _scale(blocks, 2)
+    per_row = cols // GGUF_BLOCK_SIZE
+    return (
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, cols)),
+        torch.from_numpy(scale.reshape(rows, per_row)),
+        torch.from_numpy(np.ascontiguousarray(minimum).reshape(rows, per_row)),
+    )

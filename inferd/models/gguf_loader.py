@@ -8,7 +8,7 @@ at a time as ``weights()`` is iterated.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,8 +209,10 @@ class GGUFCheckpoint:
             return self.config.num_key_value_heads
         return None
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: torch.dtype = torch.float32, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self._tensors:
+            if name in skip:
+                continue
             raw = self.raw_tensor(name)
             yield name, dequantize(raw.data, raw.qtype, raw.shape, dtype)
 

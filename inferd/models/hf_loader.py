@@ -7,7 +7,7 @@ Every problem is a ``ValueError`` naming the file at fault.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +71,11 @@ class HFCheckpoint:
     def weight_names(self) -> list[str]:
         return list(self._files)
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: torch.dtype = torch.float32, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
         for name, file in self._files.items():
-            by_file.setdefault(file, []).append(name)
+            if name not in skip:
+                by_file.setdefault(file, []).append(name)
         for file, names in by_file.items():
             with _open_safetensors(file) as f:
                 for name in names:

@@ -10,7 +10,7 @@ applied: attention is always over the whole context.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -162,12 +162,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """(N, hidden) -> (N, vocab) float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        # A module, not its weight: a quantized head (inferd.models.quantize) has none.
+        return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]], deferred: Collection[str] = ()) -> None:
         """Copies Hugging Face-named tensors into the parameters.
 
+        ``deferred`` names checkpoint tensors the caller fills another way
+        (quantized layers built from the file): they may be absent, and their
+        parameters stay unwritten, so their memory is never committed.
         Raises ValueError naming unknown checkpoint tensors, missing
         parameters (or fused shards), and shape mismatches.
         """
@@ -183,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
                         f"{module_name}.{shard}.{param_name}" for shard in module.shards
                     }
         missing = set().union(*parts.values())
+        for name in deferred:
+            packed = _packed_target(name, self.packed_modules_mapping)
+            missing.discard(".".join(packed) if packed else name)
         unknown: list[str] = []
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):

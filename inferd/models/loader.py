@@ -8,7 +8,7 @@ names in Hugging Face layouts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -27,7 +27,7 @@ _GGUF_MAGIC = b"GGUF"
 
 class WeightSource(Protocol):
     def weight_names(self) -> list[str]: ...
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def weights(self, dtype: torch.dtype, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass
@@ -46,12 +46,13 @@ class Checkpoint:
     def weight_names(self) -> list[str]:
         return self.source.weight_names()
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: torch.dtype = torch.float32, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) pairs, read and converted one at a time; linears are
-        ``[out_features, in_features]``; no ``lm_head.weight`` when tied."""
+        ``[out_features, in_features]``; no ``lm_head.weight`` when tied. Names
+        in ``skip`` are not read at all."""
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"weights dtype must be a floating-point torch.dtype, got {dtype!r}")
-        return self.source.weights(dtype)
+        return self.source.weights(dtype, skip)
 
 
 def load_checkpoint(path: str | Path, supported_architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES) -> Checkpoint:

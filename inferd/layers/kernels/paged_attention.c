@@ -16,6 +16,8 @@
 //   out      [num_seqs, num_heads, head_dim]
 // dtype: 0 = float32, 1 = bfloat16 (q, caches and out share it).
 //
+// An explicit AVX-512 version (query and accumulators in registers) measured
+// no faster than what the compiler makes of the loops below, so it is not here.
 // Work is split over (sequence, KV head) pairs with OpenMP. Built with
 // -ffast-math so the exp and max loops vectorize (glibc's vector expf); no
 // value here is ever infinite or NaN for finite inputs.
@@ -52,6 +54,90 @@ static inline void load_row(const void *base, int64_t offset, int dtype, int n, 
     }
 }
 
+// One (sequence, KV head) pair: everything a worker needs.
+struct task {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int64_t *table;
+    int64_t len;
+    int s, kvh, num_heads, group, head_dim, block_size;
+    int64_t row;
+    float scale;
+    int dtype;
+};
+
+static void store_out(const struct task *t, float acc[][MAX_HEAD_DIM], const float *run_sum) {
+    for (int g = 0; g < t->group; g++) {
+        int64_t ooff = ((int64_t)t->s * t->num_heads + t->kvh * t->group + g) * t->head_dim;
+        float inv = 1.0f / run_sum[g];
+        if (t->dtype == 0) {
+            float *o = (float *)t->out + ooff;
+            for (int d = 0; d < t->head_dim; d++) o[d] = acc[g][d] * inv;
+        } else {
+            uint16_t *o = (uint16_t *)t->out + ooff;
+            for (int d = 0; d < t->head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+        }
+    }
+}
+
+// Online-softmax update of one block's scores: returns nothing, rescales
+// the running sums and turns scores into weights; `correction` per head
+// is what the accumulators must be multiplied by.
+static void softmax_block(int group, int n, float scores[][MAX_BLOCK], float *run_max, float *run_sum,
+                          float *correction) {
+    for (int g = 0; g < group; g++) {
+        float m = run_max[g];
+        for (int i = 0; i < n; i++) m = scores[g][i] > m ? scores[g][i] : m;
+        correction[g] = expf(run_max[g] - m);  // 0 on the first block
+        run_sum[g] *= correction[g];
+        for (int i = 0; i < n; i++) {
+            scores[g][i] = expf(scores[g][i] - m);
+            run_sum[g] += scores[g][i];
+        }
+        run_max[g] = m;
+    }
+}
+
+static void attend_scalar(const struct task *t) {
+    float qv[MAX_GROUP][MAX_HEAD_DIM];
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float run_max[MAX_GROUP], run_sum[MAX_GROUP], correction[MAX_GROUP];
+    float scores[MAX_GROUP][MAX_BLOCK];
+    float kv[MAX_HEAD_DIM];
+    const int D = t->head_dim, G = t->group, BS = t->block_size;
+    for (int g = 0; g < G; g++) {
+        load_row(t->q, ((int64_t)t->s * t->num_heads + t->kvh * G + g) * D, t->dtype, D, qv[g]);
+        for (int d = 0; d < D; d++) { qv[g][d] *= t->scale; acc[g][d] = 0.0f; }
+        run_max[g] = -FLT_MAX;  // finite: built with -ffast-math
+        run_sum[g] = 0.0f;
+    }
+    int64_t nblocks = (t->len + BS - 1) / BS;
+    for (int64_t b = 0; b < nblocks; b++) {
+        int n = (int)(t->len - b * BS < BS ? t->len - b * BS : BS);
+        int64_t base = t->table[b] * BS * t->row + (int64_t)t->kvh * D;
+        for (int i = 0; i < n; i++) {
+            load_row(t->k_cache, base + i * t->row, t->dtype, D, kv);
+            for (int g = 0; g < G; g++) {
+                float dot = 0.0f;
+                for (int d = 0; d < D; d++) dot += qv[g][d] * kv[d];
+                scores[g][i] = dot;
+            }
+        }
+        softmax_block(G, n, scores, run_max, run_sum, correction);
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) acc[g][d] *= correction[g];
+        for (int i = 0; i < n; i++) {
+            load_row(t->v_cache, base + i * t->row, t->dtype, D, kv);
+            for (int g = 0; g < G; g++) {
+                float p = scores[g][i];
+                for (int d = 0; d < D; d++) acc[g][d] += p * kv[d];
+            }
+        }
+    }
+    store_out(t, acc, run_sum);
+}
+
+
 // Returns 0, or a negative code for arguments the kernel cannot take.
 int paged_attention_decode(
     const void *q, const void *k_cache, const void *v_cache, void *out,
@@ -76,64 +162,9 @@ int paged_attention_decode(
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-            float qv[MAX_GROUP][MAX_HEAD_DIM];
-            float acc[MAX_GROUP][MAX_HEAD_DIM];
-            float run_max[MAX_GROUP], run_sum[MAX_GROUP];
-            float scores[MAX_GROUP][MAX_BLOCK];
-            float kv[MAX_HEAD_DIM];
-            for (int g = 0; g < group; g++) {
-                int64_t qoff = ((int64_t)s * num_heads + kvh * group + g) * head_dim;
-                load_row(q, qoff, dtype, head_dim, qv[g]);
-                for (int d = 0; d < head_dim; d++) { qv[g][d] *= scale; acc[g][d] = 0.0f; }
-                run_max[g] = -FLT_MAX;  // finite: built with -ffast-math
-                run_sum[g] = 0.0f;
-            }
-            int64_t len = seq_lens[s];
-            int64_t nblocks = (len + block_size - 1) / block_size;
-            for (int64_t b = 0; b < nblocks; b++) {
-                int64_t block = tables[(int64_t)s * max_blocks + b];
-                int n = (int)(len - b * block_size < block_size ? len - b * block_size : block_size);
-                int64_t base = block * block_size * row + (int64_t)kvh * head_dim;
-                // Scores of this block's tokens for every head of the group.
-                for (int t = 0; t < n; t++) {
-                    load_row(k_cache, base + t * row, dtype, head_dim, kv);
-                    for (int g = 0; g < group; g++) {
-                        float dot = 0.0f;
-                        for (int d = 0; d < head_dim; d++) dot += qv[g][d] * kv[d];
-                        scores[g][t] = dot;
-                    }
-                }
-                for (int g = 0; g < group; g++) {
-                    float m = run_max[g];
-                    for (int t = 0; t < n; t++) m = scores[g][t] > m ? scores[g][t] : m;
-                    float correction = expf(run_max[g] - m);  // 0 on the first block
-                    run_sum[g] *= correction;
-                    for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;
-                    for (int t = 0; t < n; t++) {
-                        scores[g][t] = expf(scores[g][t] - m);
-                        run_sum[g] += scores[g][t];
-                    }
-                    run_max[g] = m;
-                }
-                for (int t = 0; t < n; t++) {
-                    load_row(v_cache, base + t * row, dtype, head_dim, kv);
-                    for (int g = 0; g < group; g++) {
-                        float p = scores[g][t];
-                        for (int d = 0; d < head_dim; d++) acc[g][d] += p * kv[d];
-                    }
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                int64_t ooff = ((int64_t)s * num_heads + kvh * group + g) * head_dim;
-                float inv = 1.0f / run_sum[g];
-                if (dtype == 0) {
-                    float *o = (float *)out + ooff;
-                    for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
-                } else {
-                    uint16_t *o = (uint16_t *)out + ooff;
-                    for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
-                }
-            }
+            struct task t = {q, k_cache, v_cache, out, tables + (int64_t)s * max_blocks, seq_lens[s],
+                             s, kvh, num_heads, group, head_dim, block_size, row, scale, dtype};
+            attend_scalar(&t);
         }
     }
     return 0;

@@ -32,6 +32,12 @@ bench: setup
 	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/serving_sweep.py
 	$(PY) benchmarks/prefix_cache.py
+	$(PY) benchmarks/speculative.py
+	$(PY) benchmarks/batch1_decode.py
+	$(PY) benchmarks/accuracy.py
+	$(PY) benchmarks/quant_kernels.py
+	$(PY) benchmarks/concurrency32.py
+	$(PY) benchmarks/cold_start.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

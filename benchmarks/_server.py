@@ -44,15 +44,25 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> Non
     raise TimeoutError(f"server not healthy after {timeout_s:.0f}s (last /health: {last})")
 
 
-def vm_hwm_mb(pid: int) -> float | None:
-    """A live process's peak RSS from /proc (Linux only)."""
+def _status_mb(pid: int, field: str) -> float | None:
+    """A memory field (kB) of a live process's /proc status, in MB (Linux only)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except (OSError, ValueError):
         pass
     return None
+
+
+def vm_hwm_mb(pid: int) -> float | None:
+    """A live process's peak RSS."""
+    return _status_mb(pid, "VmHWM")
+
+
+def vm_rss_mb(pid: int) -> float | None:
+    """A live process's current RSS."""
+    return _status_mb(pid, "VmRSS")
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float) -> int:

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from _server import vm_hwm_mb  # the script's folder
+
 RESULTS = Path(__file__).parent / "results" / "batch1_decode.json"
 VARIANTS = {
     "fp32": {"dtype": "float32"},
@@ -67,10 +69,7 @@ def child(variant: str, output_len: int, repeats: int) -> dict:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         m = out.metrics
         rates.append((len(out.outputs[0].token_ids) - 1) / (m.finish_time - m.first_token_time))
-    peak = None
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            peak = int(line.split()[1]) / 1024
+    peak = vm_hwm_mb(os.getpid())
     return {
         "tok_s": statistics.median(rates),
         "runs_tok_s": rates,

@@ -64,10 +64,7 @@ def transformers_child(dtype_name: str, batches: int) -> dict:
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN, do_sample=False, pad_token_id=2)
             tokens += (out.shape[1] - INPUT_LEN) * CONCURRENCY
         elapsed = time.perf_counter() - start
-    peak = None
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            peak = int(line.split()[1]) / 1024
+    peak = vm_hwm_mb(os.getpid())
     return {"dtype": dtype_name, "tok_s": tokens / elapsed, "output_tokens": tokens, "elapsed_s": elapsed, "peak_rss_mb": peak}
 
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from _server import vm_hwm_mb, vm_rss_mb  # the script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 
@@ -55,20 +57,6 @@ def passages(count: int) -> list[str]:
     if len(found) < count:
         raise SystemExit(f"only {len(found)} passages found in the docs, need {count}")
     return found[:count]
-
-
-def vm_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def vm_hwm_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def run_one(llm, ids: list[int], params) -> dict:  # noqa: ANN001
@@ -136,11 +124,11 @@ def main() -> None:
 
     from inferd import LLM, SamplingParams
 
-    rss0 = vm_rss_mb()
+    rss0 = vm_rss_mb(os.getpid())
     plain = LLM(dtype="float32", kv_cache_memory_gb=1.0)
-    rss_plain = vm_rss_mb()
+    rss_plain = vm_rss_mb(os.getpid())
     spec = LLM(dtype="float32", kv_cache_memory_gb=1.0, speculative="ngram", num_speculative_tokens=a.k)
-    rss_spec = vm_rss_mb()
+    rss_spec = vm_rss_mb(os.getpid())
     tok = plain.tokenizer
 
     def chat(text: str) -> list[int]:
@@ -170,7 +158,7 @@ def main() -> None:
         "grounded": g,
         "chat": c,
         "rss_mb": {"start": rss0, "after_plain_engine": rss_plain, "after_spec_engine": rss_spec},
-        "peak_rss_mb": vm_hwm_mb(),
+        "peak_rss_mb": vm_hwm_mb(os.getpid()),
         "command": "python benchmarks/speculative.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()} nproc={os.cpu_count()}",
     }

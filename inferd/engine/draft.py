@@ -69,7 +69,7 @@ class DraftModelProposer:
 
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
-        active: list[int] = []  # indexes of requests drafting this step
+        wanted: dict[int, int] = {}  # index of each request drafting this step -> its k
         first = SchedulerOutput()
         for i, (req, limit) in enumerate(zip(requests, limits, strict=True)):
             k = min(limit, self.num_speculative_tokens)
@@ -83,20 +83,20 @@ class DraftModelProposer:
             first.scheduled.append(
                 ScheduledRequest(req, start, req.num_tokens - start, self.kv_cache.block_ids(req.request_id))
             )
-            active.append(i)
-        if not active:
+            wanted[i] = k
+        if not wanted:
             return drafts
-        index = {requests[i].request_id: i for i in active}
+        index = {requests[i].request_id: i for i in wanted}
         sampled = self.runner.execute(first).sampled
-        for i in active:
+        for i in wanted:
             req = requests[i]
             drafts[i].append(sampled[req.request_id][0][0])
             self._states[req.request_id].computed = req.num_tokens
         for step in range(1, self.num_speculative_tokens):
             sched = SchedulerOutput()
-            for i in active:
+            for i, k in wanted.items():
                 req = requests[i]
-                if len(drafts[i]) >= min(limits[i], self.num_speculative_tokens):
+                if len(drafts[i]) >= k:
                     continue
                 view = _Extended(req, drafts[i])
                 # The newest draft runs at position num_tokens - 1 + step.

@@ -15,6 +15,11 @@ Measured for each:
     the first is scored once, with at least 256 tokens of context after the
     first window. The model's forward runs directly on the engine's runner
     (its KV cache, the real attention metadata), logits at every position;
+  * the same perplexity over the text's first DECODE_TOKENS tokens scored
+    one token at a time, each a decode step of one row: the path batch-1
+    decoding takes (the fused decode layers, the C kernels with the int4
+    kernel's int8-rounded inputs), where the windows above run the matmul
+    path of prefill chunks;
   * greedy decoding of 32 prompts (the first 12 words of 32 sentences spread
     over the text) x 64 tokens with ignore_eos, compared with fp32 position
     by position: the fraction of identical tokens, the fraction of prompts
@@ -45,6 +50,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results" / "accuracy.json"
 TEXT = Path(__file__).parent / "data" / "english.txt"
 WINDOW, STRIDE = 512, 256
+DECODE_TOKENS = 512
 NUM_PROMPTS, PROMPT_WORDS, MAX_TOKENS = 32, 12, 64
 VARIANTS = {
     "fp32": dict(quantization="none", dtype="float32"),
@@ -90,6 +96,28 @@ def perplexity(llm, token_ids: list[int]) -> tuple[float, int]:  # noqa: ANN001
     return math.exp(nll / scored), scored
 
 
+def decode_perplexity(llm, token_ids: list[int]) -> float:  # noqa: ANN001
+    """exp(mean NLL) of tokens 1.. of ``token_ids``, each predicted by a
+    one-row decode step over the cache of the tokens before it."""
+    import torch
+
+    from inferd.layers.attention import SeqChunk, build_attention_metadata
+
+    runner = llm.engine.runner
+    blocks = list(range(-(-len(token_ids) // runner.block_size)))
+    nll = 0.0
+    with torch.inference_mode():
+        for pos in range(len(token_ids) - 1):
+            meta = build_attention_metadata(
+                [SeqChunk(pos, 1, blocks)], runner.block_size, runner.device, runner.decode_kernel
+            )
+            ids = torch.tensor(token_ids[pos : pos + 1], device=runner.device)
+            hidden = runner.model(ids, torch.tensor([pos], device=runner.device), runner.kv_caches, meta)
+            logprobs = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)
+            nll -= logprobs[0, token_ids[pos + 1]].item()
+    return math.exp(nll / (len(token_ids) - 1))
+
+
 def weight_bytes(model) -> int:  # noqa: ANN001
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -125,9 +153,11 @@ def run_variant(name: str, quick: bool, queue) -> None:  # noqa: ANN001
     if quick:
         ids = ids[: WINDOW + STRIDE]
     ppl, scored = perplexity(llm, ids)
+    decode_ppl = decode_perplexity(llm, ids[: 64 if quick else DECODE_TOKENS])
     queue.put(
         {
             "ppl": ppl,
+            "decode_ppl": decode_ppl,
             "scored_tokens": scored,
             "text_tokens": len(ids),
             "tokens": [o.outputs[0].token_ids for o in outs],
@@ -182,12 +212,15 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, Q8_0 embedding)",
         "text": f"{TEXT.relative_to(Path(__file__).parent.parent)}: {len(TEXT.read_text().split())} words, "
                 f"{reference['text_tokens']} tokens, {reference['scored_tokens']} scored, window {WINDOW} stride {STRIDE}",  # fmt: skip
+        "decode": f"the first {DECODE_TOKENS} tokens scored one decode step (one row) at a time",
         "greedy": f"{NUM_PROMPTS} prompts x {MAX_TOKENS} tokens, temperature 0, ignore_eos",
     }
     for name, run in runs.items():
         result[f"{name}_ppl"] = round(run["ppl"], 4)
+        result[f"{name}_decode_ppl"] = round(run["decode_ppl"], 4)
         if name != "fp32":
             result[f"{name}_ppl_ratio"] = round(run["ppl"] / reference["ppl"], 4)
+            result[f"{name}_decode_ppl_ratio"] = round(run["decode_ppl"] / reference["decode_ppl"], 4)
             for key, value in agreement(reference["tokens"], run["tokens"]).items():
                 result[f"{name}_{key}"] = value
     result["variants"] = {
@@ -196,15 +229,15 @@ def main() -> None:
     result["targets"] = {
         "int8_ppl_ratio_max": 1.01,
         "int4_ppl_ratio_max": 1.05,
-        "int8_met": result["int8_ppl_ratio"] <= 1.01,
-        "int4_met": result["int4_ppl_ratio"] <= 1.05,
+        "int8_met": max(result["int8_ppl_ratio"], result["int8_decode_ppl_ratio"]) <= 1.01,
+        "int4_met": max(result["int4_ppl_ratio"], result["int4_decode_ppl_ratio"]) <= 1.05,
     }
     result["command"] = "python benchmarks/accuracy.py " + " ".join(sys.argv[1:])
     result["machine"] = f"{platform.machine()} nproc={__import__('os').cpu_count()}"
     result["date"] = time.strftime("%Y-%m-%d")
     for name in VARIANTS:
         if name != "fp32":
-            print(f"{name:10s} ppl ratio {result[f'{name}_ppl_ratio']:.4f}, tokens agreeing "
+            print(f"{name:10s} ppl ratio {result[f'{name}_ppl_ratio']:.4f} (decode {result[f'{name}_decode_ppl_ratio']:.4f}), tokens agreeing "
                   f"{result[f'{name}_token_agreement']:.1%}, prompts identical {result[f'{name}_prompts_identical']:.1%}")  # fmt: skip
     if not a.quick:
         a.out.parent.mkdir(parents=True, exist_ok=True)

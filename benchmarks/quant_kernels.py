@@ -1,24 +1,27 @@
-"""Quantized linear kernels: where the packed kernels stop paying.
+"""Linear kernels by input rows: where inferd's C kernels stop paying.
 
 For each linear shape of the default model (qkv, o, gate_up, down, LM head)
 and a range of input rows M, times one call of:
-  * fp32 / bf16: F.linear on a float32 / bfloat16 weight (the baselines);
-  * int8_packed: torch._weight_int8pack_mm, bf16 activations;
-  * int8_dequant: Int8Linear's dequantize-to-bf16 + bf16 matmul path;
-  * int4_packed: torch._weight_int4pack_mm_for_cpu (group 32), bf16 activations;
-  * int4_dequant: Int4Linear's dequantize-to-bf16 + bf16 matmul path;
-  * int4_packed_fp32: the packed int4 kernel with float32 activations (M <= 4).
+  * fp32 / bf16: F.linear on a float32 / bfloat16 weight (PyTorch's GEMM);
+  * fp32_kernel / bf16_kernel: inferd's few-row kernel on the same weights;
+  * int8_kernel / int4_kernel: Int8Linear / Int4Linear's C kernel (group 32),
+    bf16 activations in and out;
+  * int8_dequant / int4_dequant: their dequantize + matmul path (bf16 where
+    the CPU has bf16 hardware, else float32: ``quant.matmul_dtype``);
+  * int8_torch / int4_torch: PyTorch's packed low-bit kernels
+    (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``),
+    bf16 activations, on the same codes: the baseline the C kernels replace.
 Each figure is the fastest of repeated calls, and of several passes over the
 whole grid (min, not median: the machine's 2 cores are shared, and a
-neighbour's job only ever adds time). The
-crossover is the largest M at which the packed kernel is still faster on
-every shape except the LM head, which is reported on its own.
+neighbour's job only ever adds time). A crossover is the largest M at which
+the kernel is still faster (than dequantize + matmul for int8/int4, than
+PyTorch's GEMM for fp32/bf16) on every shape except the LM head, which is
+reported on its own.
 
 Then, end to end on the default model, each (quantization, dtype) pair in its
 own child process, best of two passes: batch-1 decode tok/s (128 tokens), 32-stream decode tok/s
 (32 tokens each) and the time to prefill one 1000-token prompt. dtype is the
-model's activation / KV-cache dtype; the quantized layers compute in bf16
-either way, so float32 means a cast at each quantized layer.
+model's activation / KV-cache dtype.
 
     python benchmarks/quant_kernels.py [--threads N] [--quick] [--skip-e2e]
 
@@ -40,11 +43,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inferd.layers.quant import KERNEL_DTYPE, Int4Linear, Int8Linear
+from inferd.layers.cpu_kernels import linear_small
+from inferd.layers.int4_layout import unpack_int4
+from inferd.layers.quant import Int4Linear, Int8Linear, matmul_dtype
 
 RESULTS = Path(__file__).parent / "results" / "quant_kernels.json"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 512]
+KINDS = ("fp32", "bf16", "int8", "int4")
 
 
 def best_us(fn: Callable[[], object], budget_s: float) -> float:
@@ -61,28 +67,40 @@ def best_us(fn: Callable[[], object], budget_s: float) -> float:
 def build_layers(n: int, k: int) -> dict[str, object]:
     torch.manual_seed(0)
     w = torch.randn(n, k) * 0.05
-    return {"w": w, "wb": w.to(KERNEL_DTYPE), "int8": Int8Linear.from_float(w), "int4": Int4Linear.from_float(w, 32)}
+    l4 = Int4Linear.from_float(w, 32)
+    codes = unpack_int4(l4.packed).to(torch.int32)
+    return {
+        "w": w, "wb": w.to(torch.bfloat16), "int8": Int8Linear.from_float(w), "int4": l4,
+        # PyTorch's own int4 layout of the same codes, (K / 32, N, 2) scale/zero pairs.
+        "int4_torch": (torch._convert_weight_to_int4pack_for_cpu(codes, 1), l4.scales_zeros.transpose(0, 1).contiguous()),
+    }  # fmt: skip
 
 
 def time_shape(layers: dict[str, object], rows: list[int], budget_s: float) -> dict[str, dict[int, float]]:
     w, wb, l8, l4 = layers["w"], layers["wb"], layers["int8"], layers["int4"]
+    packed_torch, pairs_torch = layers["int4_torch"]
     k = w.shape[1]
     results: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, k)
-            xb = x.to(KERNEL_DTYPE)
+            xb = x.to(torch.bfloat16)
+            xm = x.to(matmul_dtype())  # what the layers' matmul path computes in on this CPU
             fns = {
                 "fp32": lambda: F.linear(x, w),
                 "bf16": lambda: F.linear(xb, wb),
-                "int8_packed": lambda: torch._weight_int8pack_mm(xb, l8.codes, l8.scales),
-                "int8_dequant": lambda: l8._dequantized_matmul(xb),
-                "int4_packed": lambda: torch._weight_int4pack_mm_for_cpu(xb, l4.packed, 32, l4.scales_and_zeros),
-                "int4_dequant": lambda: l4._dequantized_matmul(xb),
+                "int8_dequant": lambda: l8._dequantized_matmul(xm),
+                "int8_torch": lambda: torch._weight_int8pack_mm(xb, l8.codes, l8.scales),
+                "int4_dequant": lambda: l4._dequantized_matmul(xm),
+                "int4_torch": lambda: torch._weight_int4pack_mm_for_cpu(xb, packed_torch, 32, pairs_torch),
             }
-            if m <= 4:
-                sz32 = l4.scales_and_zeros.float()
-                fns["int4_packed_fp32"] = lambda: torch._weight_int4pack_mm_for_cpu(x, l4.packed, 32, sz32)
+            if m <= 64:  # the C kernel's limit (cpu_kernels.LINEAR_MAX_ROWS)
+                fns |= {
+                    "fp32_kernel": lambda: linear_small(x, w),
+                    "bf16_kernel": lambda: linear_small(xb, wb),
+                    "int8_kernel": lambda: linear_small(xb, l8.codes, l8.scales),
+                    "int4_kernel": lambda: linear_small(xb, l4.packed, l4.scales_zeros, 32),
+                }
             for name, fn in fns.items():
                 results.setdefault(name, {})[m] = round(best_us(fn, budget_s), 1)
     return results
@@ -95,10 +113,12 @@ def best_of(tables: list[dict[str, dict[int, float]]]) -> dict[str, dict[int, fl
 
 
 def crossover(table: dict[str, dict[int, float]], kind: str) -> int:
-    """The largest M below which the packed kernel never loses to dequantize."""
+    """The largest M below which the C kernel never loses to the other path
+    (dequantize + matmul for int8/int4, PyTorch's GEMM for fp32/bf16)."""
+    other = table[f"{kind}_dequant"] if f"{kind}_dequant" in table else table[kind]
     best = 0
-    for m in sorted(table[f"{kind}_packed"]):
-        if table[f"{kind}_packed"][m] > table[f"{kind}_dequant"][m]:
+    for m in sorted(table[f"{kind}_kernel"]):
+        if table[f"{kind}_kernel"][m] > other[m]:
             break
         best = m
     return best
@@ -176,23 +196,22 @@ def main() -> None:
     shapes = {}
     for name, (n, k) in SHAPES.items():
         table = best_of(passes[name])
-        shapes[name] = {"out_features": n, "in_features": k, "us": table,
-                        "int8_crossover_rows": crossover(table, "int8"), "int4_crossover_rows": crossover(table, "int4")}  # fmt: skip
-        print(f"{name} {n}x{k}: int8 packed wins up to M={shapes[name]['int8_crossover_rows']}, "
-              f"int4 up to M={shapes[name]['int4_crossover_rows']}", flush=True)  # fmt: skip
+        shapes[name] = {"out_features": n, "in_features": k, "us": table}
+        for kind in KINDS:
+            shapes[name][f"{kind}_crossover_rows"] = crossover(table, kind)
+        print(f"{name} {n}x{k}: the kernel wins up to M = "
+              + ", ".join(f"{kind} {shapes[name][f'{kind}_crossover_rows']}" for kind in KINDS), flush=True)
         for m in rows:
             print("  M=%-4d " % m + " ".join(f"{kind}={table[kind][m]:.0f}" for kind in table if m in table[kind]))
     body = [s for name, s in shapes.items() if name != "lm_head"]
-    print(f"crossover (body layers): int8 M<={min(s['int8_crossover_rows'] for s in body)}, "
-          f"int4 M<={min(s['int4_crossover_rows'] for s in body)}")  # fmt: skip
+    crossovers = {f"{kind}_crossover_rows": min(s[f"{kind}_crossover_rows"] for s in body) for kind in KINDS}
+    print("crossover (body layers): " + ", ".join(f"{k} M<={v}" for k, v in crossovers.items()))
     result = {
         "benchmark": "quant_kernels",
         "unit": "microseconds per call, best of repeats",
         "threads": torch.get_num_threads(),
-        "int8_crossover_rows": min(s["int8_crossover_rows"] for s in body),
-        "int4_crossover_rows": min(s["int4_crossover_rows"] for s in body),
-        "lm_head_int8_crossover_rows": shapes["lm_head"]["int8_crossover_rows"],
-        "lm_head_int4_crossover_rows": shapes["lm_head"]["int4_crossover_rows"],
+        **crossovers,
+        **{f"lm_head_{kind}_crossover_rows": shapes["lm_head"][f"{kind}_crossover_rows"] for kind in KINDS},
         "shapes": shapes,
         "end_to_end": None if a.skip_e2e else end_to_end(a.quick, 1 if a.quick else 2),
         "command": "python benchmarks/quant_kernels.py " + " ".join(sys.argv[1:]),

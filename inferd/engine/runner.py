@@ -13,7 +13,6 @@ requests: the engine advances them after the step.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +25,7 @@ from inferd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from inferd.engine.spec_decode import DraftPosition, num_accepted
 from inferd.layers.attention import SeqChunk, build_attention_metadata
 from inferd.layers.cpu_kernels import paged_attention_kernel
+from inferd.layers.host_memory import move_to_huge_pages, zeroed
 from inferd.models.config import ModelArchConfig
 from inferd.types import TopLogprobs
 
@@ -76,21 +76,16 @@ def kv_cache_bytes_per_block(config: ModelArchConfig, block_size: int, dtype: to
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A zero-filled tensor; on CPU backed by anonymous memory, whose pages
-    read as zero and are committed only when first written, so the unused
-    part of a KV budget costs no resident memory.
+    """A zero-filled tensor; on CPU anonymous memory (4 KiB pages), whose
+    pages read as zero and are committed only when first written, so the
+    unused part of a KV budget costs no resident memory.
 
     Zeroed, not empty: padded decode rows read never-written slots, and
     masked-out NaN garbage would still poison the attention sum.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
-    # The tensor holds a reference to the buffer and keeps it mapped.
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+    return zeroed(shape, dtype, huge_pages=False)
 
 
 @dataclass
@@ -124,6 +119,9 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if torch.device(device).type == "cpu":
+            # Decoding streams every weight each step: huge pages, fewer TLB misses.
+            move_to_huge_pages(model)
         self.model = model
         self.config = config
         self.num_blocks = num_blocks

@@ -1,17 +1,23 @@
 """Small C kernels for CPUs, compiled on the machine that runs them.
 
-PyTorch has no paged-attention kernel for CPUs, and gathering the cached
-K/V into a copy for SDPA costs more than the attention itself. The kernels
-live as plain C in ``kernels/`` and are compiled on first use with the
-system C compiler (``cc -O3 -march=native -fopenmp``, about a second), then
-loaded with ``ctypes``: no PyTorch headers, no build step at install time.
-The shared object is cached under ``$XDG_CACHE_HOME/inferd/kernels`` (or
-``~/.cache/inferd/kernels``), named by a hash of the source, the flags and
-the CPU's feature flags, so a second start only loads it.
+- ``paged_attention.c``: PyTorch has no paged-attention kernel for CPUs, and
+  gathering the cached K/V into a copy for SDPA costs more than the
+  attention itself.
+- ``linear.c``: linear layers for a few input rows (decoding) over float32,
+  bfloat16, int8 and int4 weights, reading each weight once at memory
+  speed, and the int4 weight's dequantization for the many-row path.
 
-Where no compiler is found or the build fails, ``paged_attention_kernel()``
-returns None once (with one warning in the log) and callers keep their
-PyTorch path.
+The kernels live as plain C in ``kernels/`` and are compiled on first use
+with the system C compiler (``cc -O3 -march=native -fopenmp``, about a
+second each), then loaded with ``ctypes``: no PyTorch headers, no build
+step at install time. A shared object is cached under
+``$XDG_CACHE_HOME/inferd/kernels`` (or ``~/.cache/inferd/kernels``), named
+by a hash of the source, the flags and the CPU's feature flags, so a second
+start only loads it.
+
+Where no compiler is found or a build fails, ``paged_attention_kernel()``
+and ``linear_kernel()`` return False (with one warning in the log) and
+callers keep their PyTorch path.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "kernels" / "paged_attention.c"
+_KERNELS = Path(__file__).parent / "kernels"
 # -ffast-math lets the compiler reassociate the dot products and call
 # glibc's vector expf: the kernel's loops vectorize (it avoids infinities).
 _FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
@@ -61,14 +67,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(source: Path) -> Path:
+def _build(name: str, sources: list[Path]) -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(_FLAGS).encode() + compiler.encode() + _cpu_flags().encode()
+        b"".join(src.read_bytes() for src in (*sources, *_HEADERS)) + " ".join(_FLAGS).encode() + compiler.encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+    target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +83,7 @@ def _build(source: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), str(source), "-lm"],
+            [compiler, *_FLAGS, "-o", str(built), *map(str, sources), "-lm"],
             capture_output=True, text=True, timeout=120, check=False,
         )
         if result.returncode != 0:
@@ -86,22 +92,40 @@ def _build(source: Path) -> Path:
     return target
 
 
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# One library from all the sources (decode_layer calls the other two).
+_SOURCES = ("paged_attention.c", "linear.c", "decode_layer.c")
+_HEADERS = (_KERNELS / "kernels.h",)
+# function -> argument types (each returns an int status).
+_SIGNATURES: dict[str, list[type]] = {
+    "paged_attention_decode": [_P] * 6 + [_I] * 6 + [_I64, _F, _I, _I],
+    "linear_small": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _P, _I, _I],
+    "dequantize_int4": [_P, _P, _I, _I, _I, _I, _P, _I, _I],
+    "decode_layers": [_P, _I, _P, _P, _P],
+}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build(_SOURCE)))
+        lib = ctypes.CDLL(str(_build("kernels", [_KERNELS / name for name in _SOURCES])))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("CPU paged-attention kernel unavailable, using the PyTorch path: %s", e)
+        logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)
         return None
-    fn = lib.paged_attention_decode
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    for fn_name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, fn_name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
     return lib
 
 
-def paged_attention_kernel() -> bool:
-    """True when the compiled kernel is loaded (building it on first call)."""
+def kernels_available() -> bool:
+    """True when the compiled kernels are loaded (building them on first call)."""
     return _library() is not None
+
+
+# The callers' names for what they need.
+paged_attention_kernel = linear_kernel = kernels_available
 
 
 def paged_decode_attention(
@@ -142,3 +166,89 @@ def paged_decode_attention(
     if code != 0:
         raise ValueError(f"paged_decode_attention: {_ERRORS.get(code, f'error {code}')}")
     return out
+
+
+_WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_INT4 = 3
+# linear_small takes at most this many input rows (the C kernel's MAX_ROWS).
+LINEAR_MAX_ROWS = 64
+_LINEAR_ERRORS = {
+    -1: f"input rows outside 1..{LINEAR_MAX_ROWS}",
+    -2: "unsupported dtype or weight kind",
+    -3: "int4 needs in_features a multiple of 32 up to 65536 and group_size 32 x a power of two dividing it",
+    -4: "out of memory",
+}
+
+
+def _check_linear(code: int, fn: str) -> None:
+    if code != 0:
+        raise ValueError(f"{fn}: {_LINEAR_ERRORS.get(code, f'error {code}')}")
+
+
+def linear_small(x: Tensor, weight: Tensor, scales: Tensor | None = None, group_size: int = 0) -> Tensor:
+    """``x @ W.T`` for a few rows, reading ``weight`` once.
+
+    ``x`` (M, K) float32 or bfloat16 on the CPU, 1 <= M <= LINEAR_MAX_ROWS.
+    ``weight`` is one of: (N, K) float32 or bfloat16; (N, K) int8 codes with
+    ``scales`` (N,) bf16; (N, K / 2) uint8 int4 codes
+    (``inferd.layers.int4_layout``) with ``scales`` (N, K / group_size, 2) bf16
+    scale/zero pairs. Returns (M, N) in ``x``'s dtype. Called once per layer
+    per step, so it checks only what the layers do not: the input. The
+    layer keeps its weight contiguous on the CPU.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU linear kernels are not available")
+    dtype = _DTYPE_CODES.get(x.dtype)
+    if dtype is None or x.dim() != 2 or x.shape[1] != (weight.shape[1] * 2 if weight.dtype == torch.uint8 else weight.shape[1]):
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit weight {weight.dtype} {tuple(weight.shape)}")
+    x = x.contiguous()
+    rows, k = x.shape
+    kind = _INT4 if weight.dtype == torch.uint8 else _WEIGHT_KINDS[weight.dtype]
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+    code = lib.linear_small(
+        x.data_ptr(), dtype, rows, k, weight.data_ptr(), kind, weight.shape[0],
+        None if scales is None else scales.data_ptr(), group_size,
+        out.data_ptr(), dtype, torch.get_num_threads(),
+    )  # fmt: skip
+    if code != 0:
+        _check_linear(code, "linear_small")
+    return out
+
+
+def dequantize_int4(packed: Tensor, scales_zeros: Tensor, group_size: int, start: int, stop: int, out: Tensor) -> Tensor:
+    """Writes rows ``[start, stop)`` of an int4 weight, ``(code - 8) * scale +
+    zero`` in float32 rounded once, into ``out`` ((stop - start, K) float32 or
+    bfloat16, contiguous) and returns it."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU linear kernels are not available")
+    k = packed.shape[1] * 2
+    if out.dtype not in _DTYPE_CODES or out.shape != (stop - start, k) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({stop - start}, {k}) float32/bfloat16 tensor")
+    if not 0 <= start <= stop <= packed.shape[0]:
+        raise ValueError(f"rows [{start}, {stop}) outside 0..{packed.shape[0]}")
+    code = lib.dequantize_int4(
+        packed.data_ptr(), scales_zeros.data_ptr(), k, group_size, start, stop,
+        out.data_ptr(), _DTYPE_CODES[out.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    _check_linear(code, "dequantize_int4")
+    return out
+
+
+def decode_layers(layers: object, num_layers: int, step: object, x_ptr: int, residual_ptr: int) -> None:
+    """A decode step's decoder layers (``kernels/decode_layer.c``): the
+    structures and pointers come from ``inferd.layers.fused_decode``, which
+    owns their layouts."""
+    code = _library().decode_layers(layers, num_layers, step, x_ptr, residual_ptr)
+    if code == 0:
+        return
+    if code <= -20:
+        raise ValueError(f"decode_layers: attention: {_ERRORS.get(code + 20, f'error {code + 20}')}")
+    if code == -10:
+        raise ValueError("decode_layers: head_dim must be even and at most 1024")
+    if code == -11:
+        raise MemoryError("decode_layers: out of memory")
+    if code == -12:
+        raise ValueError("decode_layers: a layer's linear shapes do not fit the model's")
+    _check_linear(code, "decode_layers")

@@ -1,18 +1,56 @@
-"""A linear layer that stacks several checkpoint projections into one matmul.
+"""Float linear layers: decode rows through inferd's CPU kernel, and one
+layer that stacks several checkpoint projections into one matmul.
 
-``q_proj``/``k_proj``/``v_proj`` become one ``qkv_proj`` and
-``gate_proj``/``up_proj`` one ``gate_up_proj``: fewer, larger matmuls per
-layer. The checkpoint keeps its separate tensors; each is copied into its
-row range of the merged weight (and bias) by ``load_shard``.
+``Linear`` is ``nn.Linear`` whose few-row calls on the CPU (decode steps)
+go through ``cpu_kernels.linear_small``, which reads each weight once at
+memory speed: PyTorch's CPU GEMM runs a single row at a fraction of the
+bandwidth on some CPUs (MKL on AMD), and bfloat16 ones slower still without
+bf16 hardware (``benchmarks/results/quant_kernels.json``). Many rows keep
+PyTorch's GEMM.
+
+``MergedLinear``: ``q_proj``/``k_proj``/``v_proj`` become one ``qkv_proj``
+and ``gate_proj``/``up_proj`` one ``gate_up_proj``: fewer, larger matmuls
+per layer. The checkpoint keeps its separate tensors; each is copied into
+its row range of the merged weight (and bias) by ``load_shard``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferd.layers.cpu_kernels import linear_kernel, linear_small
 
-class MergedLinear(nn.Linear):
+# Input rows up to which the kernel beats PyTorch's GEMM (float32 and
+# bfloat16 weights; measured by benchmarks/quant_kernels.py).
+DENSE_KERNEL_MAX_ROWS = 4
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` with few-row CPU calls through the kernel when ``x`` and
+    ``weight`` share a float32 or bfloat16 dtype."""
+    if (
+        x.shape[0] <= DENSE_KERNEL_MAX_ROWS
+        and x.dim() == 2
+        and x.dtype is weight.dtype
+        and x.dtype in _KERNEL_DTYPES
+        and x.device.type == "cpu"
+        and not (weight.requires_grad and torch.is_grad_enabled())
+        and linear_kernel()
+    ):
+        out = linear_small(x, weight)
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return dense_linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     def __init__(
         self,
         in_features: int,

@@ -5,50 +5,64 @@ Decoding a few sequences is bound by reading the weights, so 1 or 0.5 bytes
 per weight instead of 4 is the speed-up. Each layer picks one of two ways per
 call, by the number of input rows:
 
-- few rows: PyTorch's packed kernels (``torch._weight_int8pack_mm``,
-  ``torch._weight_int4pack_mm_for_cpu``), which stream the low-bit weight at
-  memory speed. They are GEMV-like, so their cost grows linearly with rows,
-  and they are fast only with bfloat16 activations (with float32 ones, 10x
-  slower for int8 and 27x for int4 at one row);
-- many rows (prefill chunks, large decode batches): dequantize the weight into
-  a shared bf16 scratch buffer and run one bf16 matmul (oneDNN, AMX), whose
-  cost is nearly flat in rows.
+- few rows: inferd's C kernel (``cpu_kernels.linear_small``), which reads
+  each low-bit weight once, widens it in registers and multiplies it into
+  every row, so its cost is reading the weight and grows slowly with rows;
+  float32 sums, in and out in the activations' dtype;
+- many rows (prefill chunks, large decode batches), or where the kernel
+  could not be built: dequantize the weight into a shared scratch buffer
+  and run one matmul, whose cost is nearly flat in rows. In bf16 where the
+  CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else in float32:
+  without it PyTorch's bf16 GEMM ran 4x slower than its float32 one here.
 
-Both compute in bfloat16, whatever the model's activation dtype; the output
-comes back in the input's dtype. The crossovers below were measured with
-``benchmarks/quant_kernels.py`` (results/quant_kernels.json) on 2 cores with
-AVX-512 and AMX, default model shapes.
+The crossovers below were measured with ``benchmarks/quant_kernels.py``
+(results/quant_kernels.json) on 2 cores, default model shapes.
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.layers.int4_layout import pack_int4, packed_layout_is_known, row_segments, unpack_int4, unpack_int4_t
+from inferd.layers.cpu_kernels import dequantize_int4, linear_kernel, linear_small
+from inferd.layers.int4_layout import pack_int4, unpack_int4
 
-KERNEL_DTYPE = torch.bfloat16
+# Scales and zeros are stored in bf16 (GGUF's are f16: bf16 keeps their range).
+SCALE_DTYPE = torch.bfloat16
 QUANTIZATION_METHODS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
-# Rows up to which the packed kernels beat dequantize + bf16 matmul, summed
-# over a decoder layer's qkv, o, gate_up and down (us, 2 threads, from
-# benchmarks/results/quant_kernels.json):
-#   int8  M=12: packed 519 vs dequantized 610;  M=16: 698 vs 621
-#   int4  M=64: packed 2582 vs dequantized 2894; M=128: 5084 vs 2993
-# (int8 LM head 49152x576: M=12 4579 vs 5096, M=16 6041 vs 5191).
-# Unpacking int4 in eager torch is the costly part (1.4 ms for 3072x576,
-# against 0.3 ms to widen int8), hence its higher crossover.
-INT8_PACKED_MAX_ROWS = 12
-INT4_PACKED_MAX_ROWS = 64
+# Rows up to which the C kernel beats dequantize + bf16 matmul (see the
+# module docstring); both at most cpu_kernels.LINEAR_MAX_ROWS.
+INT8_KERNEL_MAX_ROWS = 16
+INT4_KERNEL_MAX_ROWS = 16
 # Weight elements dequantized at a time on the matmul path: the 49152-row LM
-# head goes in slices so the scratch stays 8 MB. Smaller, cache-sized slices
-# were slower (3072x576 at 32 rows: int4 6.0 ms in 32K-element slices, 1.6 ms
-# whole; int8 0.80 vs 0.35 ms): in eager torch per-op overhead wins over cache reuse.
+# head goes in slices so the scratch stays 8 MB.
 _DEQUANT_CHUNK_ELEMENTS = 1 << 22
-# _weight_int8pack_mm reads K in 16-wide vectors: other K give wrong sums or
-# crash (measured: K = 8, 24, 36, 40), so those layers always dequantize.
-_INT8_PACKED_K_MULTIPLE = 16
+
+
+@functools.cache
+def matmul_dtype() -> torch.dtype:
+    """The dtype of the dequantize + matmul path on this CPU."""
+    try:
+        flags = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        ).split()
+    except OSError:
+        flags = []
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & set(flags) else torch.float32
+
+
+def _kernel_applies(x: Tensor, max_rows: int) -> bool:
+    return (
+        x.shape[0] <= max_rows
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and linear_kernel()
+    )
 
 
 class DequantScratch:
@@ -82,7 +96,7 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    stored = scale.to(KERNEL_DTYPE)
+    stored = scale.to(SCALE_DTYPE)
     low = stored.float() < scale
     stored[low] = torch.nextafter(stored[low], torch.full_like(stored[low], float("inf")))
     codes = torch.round(w / stored.float()[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -99,8 +113,8 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
     _check_group(group_size, k)
     w = weight.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi)).to(KERNEL_DTYPE)
-    zero = (lo + 8 * scale.float()).to(KERNEL_DTYPE)
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi)).to(SCALE_DTYPE)
+    zero = (lo + 8 * scale.float()).to(SCALE_DTYPE)
     codes = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15)
     return codes.to(torch.uint8).reshape(n, k), scale, zero
 
@@ -138,10 +152,11 @@ class Int8Linear(nn.Module):
         if scales.shape != (self.out_features,):
             raise ValueError(f"scales must have shape ({self.out_features},), got {tuple(scales.shape)}")
         self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())
+        self.register_buffer("scales", scales.to(SCALE_DTYPE).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.scratch = scratch if scratch is not None else DequantScratch()
-        self._packed = self.in_features % _INT8_PACKED_K_MULTIPLE == 0
+        # Few rows through the C kernel; False forces the matmul path (tests).
+        self.use_kernel = True
 
     @classmethod
     def from_float(
@@ -153,11 +168,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(T, in) -> (T, out) in x's dtype."""
         _check_input(x, self.in_features)
-        xb = x.to(KERNEL_DTYPE).contiguous()
-        if self._packed and x.shape[0] <= INT8_PACKED_MAX_ROWS:
-            out = torch._weight_int8pack_mm(xb, self.codes, self.scales)
+        if self.use_kernel and _kernel_applies(x, INT8_KERNEL_MAX_ROWS):
+            out = linear_small(x, self.codes, self.scales)
         else:
-            out = self._dequantized_matmul(xb)
+            out = self._dequantized_matmul(x.to(matmul_dtype()).contiguous())
         return _finish(out, x.dtype, self.bias)
 
     def _dequantized_matmul(self, x: Tensor) -> Tensor:
@@ -166,7 +180,7 @@ class Int8Linear(nn.Module):
         parts = []
         for start in range(0, self.out_features, step):
             rows = self.codes[start : start + step]
-            weight = self.scratch.take(rows.shape[0], self.in_features, KERNEL_DTYPE, x.device)
+            weight = self.scratch.take(rows.shape[0], self.in_features, x.dtype, x.device)
             parts.append(F.linear(x, weight.copy_(rows)))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return out.mul_(self.scales)
@@ -198,8 +212,9 @@ class Int8Embedding(nn.Module):
 
 class Int4Linear(nn.Module):
     """``y = x @ W.T + bias``, ``W[n, k] = (codes[n, k] - 8) * scale[n, g] +
-    zero[n, g]`` with ``g = k // group_size``: 4-bit codes and one bf16 scale
-    and zero per group of consecutive inputs (asymmetric)."""
+    zero[n, g]`` with ``g = k // group_size``: 4-bit codes (packed two a
+    byte, ``inferd.layers.int4_layout``) and one bf16 scale and zero per
+    group of consecutive inputs (asymmetric)."""
 
     def __init__(
         self,
@@ -215,21 +230,20 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 codes must be 2-D, got shape {tuple(codes.shape)}")
         self.out_features, self.in_features = codes.shape
         _check_group(group_size, self.in_features)
-        if self.out_features % 16:
-            raise ValueError(f"int4 layers need out_features divisible by 16, got {self.out_features}")
         groups = (self.out_features, self.in_features // group_size)
         if scales.shape != groups or zeros.shape != groups:
             raise ValueError(
                 f"scales and zeros must have shape {groups}, got {tuple(scales.shape)} and {tuple(zeros.shape)}"
             )
         self.group_size = group_size
-        self.register_buffer("packed", pack_int4(codes))
-        # (in / group, out, 2) bf16: the kernel's scales_and_zeros.
-        pairs = torch.stack([scales.T.to(KERNEL_DTYPE), zeros.T.to(KERNEL_DTYPE)], dim=-1)
-        self.register_buffer("scales_and_zeros", pairs.contiguous())
+        self.register_buffer("packed", pack_int4(codes))  # (out, in / 2) uint8
+        # (out, in / group, 2) bf16: each group's scale and zero side by side.
+        pairs = torch.stack([scales.to(SCALE_DTYPE), zeros.to(SCALE_DTYPE)], dim=-1)
+        self.register_buffer("scales_zeros", pairs.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.scratch = scratch if scratch is not None else DequantScratch()
-        self._decodable = packed_layout_is_known()
+        # Few rows through the C kernel; False forces the matmul path (tests).
+        self.use_kernel = True
 
     @classmethod
     def from_float(
@@ -257,43 +271,36 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(T, in) -> (T, out) in x's dtype."""
         _check_input(x, self.in_features)
-        xb = x.to(KERNEL_DTYPE).contiguous()
-        if x.shape[0] <= INT4_PACKED_MAX_ROWS or not self._decodable:
-            out = torch._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+        if self.use_kernel and _kernel_applies(x, INT4_KERNEL_MAX_ROWS):
+            out = linear_small(x, self.packed, self.scales_zeros, self.group_size)
         else:
-            out = self._dequantized_matmul(xb)
+            out = self._dequantized_matmul(x.to(matmul_dtype()).contiguous())
         return _finish(out, x.dtype, self.bias)
 
     def _dequantized_matmul(self, x: Tensor) -> Tensor:
-        k, g = self.in_features, self.group_size
+        step = max(1, _DEQUANT_CHUNK_ELEMENTS // self.in_features)
         parts = []
-        for start, stop in row_segments(self.out_features, _DEQUANT_CHUNK_ELEMENTS // k):
-            rows = stop - start
-            weight_t = self.scratch.take(k, rows, KERNEL_DTYPE, x.device)  # (in, rows)
-            unpack_int4_t(self.packed, self.out_features, start, stop, weight_t, centered=True)
-            # (codes - 8) * s + z as the kernel computes it: float32 math on the
-            # stored bf16 scale and zero, rounded once. (Folding the 8 into the
-            # zero would round z - 8 s, an error shared by the whole group.)
-            pairs = self.scales_and_zeros[:, start:stop]  # (in / g, rows, 2)
-            # Contiguous copies (small): broadcasting a stride-2 operand is 5x slower.
-            scales, zeros = pairs[..., 0].contiguous(), pairs[..., 1].contiguous()
-            grouped = weight_t.view(k // g, g, rows)
-            torch.addcmul(zeros[:, None], grouped, scales[:, None], out=grouped)
-            parts.append(x @ weight_t)
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, self.out_features)
+            weight = self.scratch.take(stop - start, self.in_features, x.dtype, x.device)
+            parts.append(F.linear(x, self._dequantize_rows(start, stop, weight)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _dequantize_rows(self, start: int, stop: int, out: Tensor) -> Tensor:
+        if self.use_kernel and out.device.type == "cpu" and linear_kernel():
+            return dequantize_int4(self.packed, self.scales_zeros, self.group_size, start, stop, out)
+        return out.copy_(self._float_rows(start, stop))
+
+    def _float_rows(self, start: int, stop: int) -> Tensor:
+        """Rows [start, stop) of W in float32: ``(code - 8) * scale + zero``."""
+        rows = stop - start
+        codes = unpack_int4(self.packed[start:stop]).float().view(rows, -1, self.group_size)
+        pairs = self.scales_zeros[start:stop].float()  # (rows, in / g, 2)
+        return ((codes - 8) * pairs[..., :1] + pairs[..., 1:]).view(rows, self.in_features)
 
     def dequantize(self) -> Tensor:
         """The float32 ``(out, in)`` weight this layer multiplies by."""
-        if not self._decodable:
-            # Through the kernel itself: float32 rows of the identity pick out W.T exactly.
-            eye = torch.eye(self.in_features, device=self.packed.device)
-            return torch._weight_int4pack_mm_for_cpu(
-                eye, self.packed, self.group_size, self.scales_and_zeros.float()
-            ).T.contiguous()
-        codes = unpack_int4(self.packed, self.out_features).float()
-        pairs = self.scales_and_zeros.float().transpose(0, 1)  # (out, in / g, 2)
-        grouped = codes.view(self.out_features, -1, self.group_size)
-        return ((grouped - 8) * pairs[..., :1] + pairs[..., 1:]).view(self.out_features, self.in_features)
+        return self._float_rows(0, self.out_features)
 
     def extra_repr(self) -> str:
         return (

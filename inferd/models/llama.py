@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferd.layers.attention import AttentionMetadata, PagedAttention
-from inferd.layers.linear import MergedLinear
+from inferd.layers.fused_decode import FusedDecoder
+from inferd.layers.linear import Linear, MergedLinear, dense_linear
 from inferd.layers.norm import RMSNorm
 from inferd.layers.rotary import RotaryEmbedding, apply_rotary
 from inferd.models.config import ModelArchConfig
@@ -38,7 +39,7 @@ class LlamaAttention(nn.Module):
             {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
             bias=config.attention_bias,
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
@@ -65,7 +66,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False
         )
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 I)
@@ -112,6 +113,12 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
         )
+        self.rms_norm_eps = config.rms_norm_eps
+        # Decode-only steps of a few rows run each layer in one C call
+        # (inferd.layers.fused_decode); False keeps the per-op path.
+        self.fused_decode = True
+        self._fused: FusedDecoder | None = None
+        self._fused_built = False
 
     def forward(
         self,
@@ -122,11 +129,23 @@ class LlamaModel(nn.Module):
     ) -> Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        fused = self._fused_decoder(x) if self.fused_decode and FusedDecoder.applies(x, meta) else None
+        if fused is not None:
+            x, residual = fused.run(x, cos, sin, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def _fused_decoder(self, x: Tensor) -> FusedDecoder | None:
+        # Built on first use, after loading and quantization have settled
+        # the modules and their weights.
+        if not self._fused_built:
+            self._fused = FusedDecoder.build(self.layers, self.rms_norm_eps, x.dtype)
+            self._fused_built = True
+        return self._fused
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(
@@ -163,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """(N, hidden) -> (N, vocab) float32."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return dense_linear(hidden, self.model.embed_tokens.weight).float()
         # A module, not its weight: a quantized head (inferd.models.quantize) has none.
         return self.lm_head(hidden).float()
 

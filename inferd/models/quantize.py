@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from inferd.layers.linear import MergedLinear
 from inferd.layers.quant import (
     INT4_GROUP_SIZES,
-    KERNEL_DTYPE,
+    SCALE_DTYPE,
     QUANTIZATION_METHODS,
     DequantScratch,
     Int4Linear,
@@ -152,7 +152,7 @@ def _float_rows(parts: list[str], loaded: Tensor, gguf: GGUFCheckpoint | None) -
 
 def _int8(rows: Iterator[Tensor], shape: tuple[int, int], bias: Tensor | None, scratch: DequantScratch) -> Int8Linear:
     codes = torch.empty(shape, dtype=torch.int8)
-    scales = torch.empty(shape[0], dtype=KERNEL_DTYPE)
+    scales = torch.empty(shape[0], dtype=SCALE_DTYPE)
     start = 0
     for chunk in rows:
         stop = start + chunk.shape[0]
@@ -165,7 +165,7 @@ def _int4(
     rows: Iterator[Tensor], shape: tuple[int, int], group: int, bias: Tensor | None, scratch: DequantScratch
 ) -> Int4Linear:
     codes = torch.empty(shape, dtype=torch.uint8)
-    scales = torch.empty(shape[0], shape[1] // group, dtype=KERNEL_DTYPE)
+    scales = torch.empty(shape[0], shape[1] // group, dtype=SCALE_DTYPE)
     zeros = torch.empty_like(scales)
     start = 0
     for chunk in rows:

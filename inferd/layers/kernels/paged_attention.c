@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 128
@@ -139,15 +141,11 @@ static void attend_scalar(const struct task *t) {
 
 
 // Returns 0, or a negative code for arguments the kernel cannot take.
-int paged_attention_decode(
-    const void *q, const void *k_cache, const void *v_cache, void *out,
-    const int64_t *tables, const int64_t *seq_lens,
-    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, int max_blocks, int64_t num_blocks,
-    float scale, int dtype, int num_threads) {
+int paged_attention_check(const int64_t *tables, const int64_t *seq_lens, int num_seqs, int num_heads,
+                          int num_kv_heads, int head_dim, int block_size, int max_blocks, int64_t num_blocks,
+                          int dtype) {
     if (num_heads % num_kv_heads) return -1;
-    int group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK) return -2;
+    if (num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK) return -2;
     if (dtype != 0 && dtype != 1) return -3;
     for (int s = 0; s < num_seqs; s++) {
         if (seq_lens[s] < 1 || seq_lens[s] > (int64_t)max_blocks * block_size) return -4;
@@ -157,9 +155,17 @@ int paged_attention_decode(
             if (id < 0 || id >= num_blocks) return -5;
         }
     }
-    const int64_t row = (int64_t)num_kv_heads * head_dim;  // one token's K (or V) for all KV heads
+    return 0;
+}
 
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+// The (sequence, KV head) pairs, shared among the threads of the enclosing
+// parallel region (an orphaned worksharing loop). Arguments already checked.
+void paged_attention_rows(const void *q, const void *k_cache, const void *v_cache, void *out,
+                          const int64_t *tables, const int64_t *seq_lens, int num_seqs, int num_heads,
+                          int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale, int dtype) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t row = (int64_t)num_kv_heads * head_dim;  // one token's K (or V) for all KV heads
+    #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; s++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
             struct task t = {q, k_cache, v_cache, out, tables + (int64_t)s * max_blocks, seq_lens[s],
@@ -167,5 +173,19 @@ int paged_attention_decode(
             attend_scalar(&t);
         }
     }
+}
+
+int paged_attention_decode(
+    const void *q, const void *k_cache, const void *v_cache, void *out,
+    const int64_t *tables, const int64_t *seq_lens,
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, int max_blocks, int64_t num_blocks,
+    float scale, int dtype, int num_threads) {
+    int code = paged_attention_check(tables, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                     max_blocks, num_blocks, dtype);
+    if (code) return code;
+    #pragma omp parallel num_threads(num_threads)
+    paged_attention_rows(q, k_cache, v_cache, out, tables, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                         block_size, max_blocks, scale, dtype);
     return 0;
 }

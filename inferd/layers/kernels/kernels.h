@@ -1,0 +1,30 @@
+// What the kernel sources share: decode_layer.c runs the other two's
+// checked pieces inside one parallel region.
+#ifndef INFERD_KERNELS_H
+#define INFERD_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+// The input rows of a linear layer as its inner loops read them (linear_prepare).
+struct xrows {
+    const float *xf;    // [M][K] float32
+    const int8_t *xq;   // [M][K] int8 per 32-input block (int4 only)
+    const float *xd;    // [M][K / 32] the blocks' scales (int4 only)
+    const float *xsum;  // [M][K / group] group sums of xf (int4 only)
+};
+
+int linear_check(int x_dtype, int M, int K, int kind, int group, int out_dtype);
+size_t linear_prepare_bytes(int M, int K, int kind, int group);
+void linear_prepare(const void *x, int x_dtype, int M, int K, int kind, int group, void *buf, struct xrows *xr);
+void linear_rows(const struct xrows *xr, int M, int K, const void *w, int kind, int N, const uint16_t *scales,
+                 int group, void *out, int out_dtype);
+
+int paged_attention_check(const int64_t *tables, const int64_t *seq_lens, int num_seqs, int num_heads,
+                          int num_kv_heads, int head_dim, int block_size, int max_blocks, int64_t num_blocks,
+                          int dtype);
+void paged_attention_rows(const void *q, const void *k_cache, const void *v_cache, void *out,
+                          const int64_t *tables, const int64_t *seq_lens, int num_seqs, int num_heads,
+                          int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale, int dtype);
+
+#endif

@@ -16,26 +16,39 @@ its row range of the merged weight (and bias) by ``load_shard``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.layers.cpu_kernels import linear_kernel, linear_small
+from inferd.layers.cpu_kernels import LINEAR_MAX_ROWS, linear_kernel, linear_small
+from inferd.layers.quant import matmul_dtype
 
-# Input rows up to which the kernel beats PyTorch's GEMM (float32 and
-# bfloat16 weights; measured by benchmarks/quant_kernels.py).
-DENSE_KERNEL_MAX_ROWS = 4
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# Input rows up to which the kernel beats PyTorch's GEMM on every decoder
+# shape of the default model (benchmarks/results/quant_kernels.json, 2 cores,
+# AVX2): 12 in float32; in bfloat16 up to the kernel's limit, since without
+# bf16 hardware PyTorch's bf16 GEMM runs at a quarter of its float32 speed.
+# Where the CPU has bf16 hardware (AVX512-BF16, AMX) the bf16 GEMM is
+# oneDNN's fast path, and the float32 figure is used (not measured here).
+FLOAT32_KERNEL_MAX_ROWS = 12
+
+
+@functools.cache
+def dense_kernel_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which ``dense_linear`` takes the kernel for ``dtype`` weights."""
+    if dtype == torch.bfloat16 and matmul_dtype() != torch.bfloat16:
+        return LINEAR_MAX_ROWS
+    return FLOAT32_KERNEL_MAX_ROWS if dtype in (torch.float32, torch.bfloat16) else 0
 
 
 def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` with few-row CPU calls through the kernel when ``x`` and
     ``weight`` share a float32 or bfloat16 dtype."""
     if (
-        x.shape[0] <= DENSE_KERNEL_MAX_ROWS
-        and x.dim() == 2
+        x.dim() == 2
         and x.dtype is weight.dtype
-        and x.dtype in _KERNEL_DTYPES
+        and x.shape[0] <= dense_kernel_max_rows(x.dtype)
         and x.device.type == "cpu"
         and not (weight.requires_grad and torch.is_grad_enabled())
         and linear_kernel()

@@ -35,10 +35,11 @@ from inferd.layers.int4_layout import pack_int4, unpack_int4
 SCALE_DTYPE = torch.bfloat16
 QUANTIZATION_METHODS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
-# Rows up to which the C kernel beats dequantize + bf16 matmul (see the
-# module docstring); both at most cpu_kernels.LINEAR_MAX_ROWS.
-INT8_KERNEL_MAX_ROWS = 16
-INT4_KERNEL_MAX_ROWS = 16
+# Rows up to which the C kernel beats dequantize + float32 matmul on every
+# decoder shape of the default model (benchmarks/results/quant_kernels.json,
+# 2 cores, AVX2); both at most cpu_kernels.LINEAR_MAX_ROWS.
+INT8_KERNEL_MAX_ROWS = 24
+INT4_KERNEL_MAX_ROWS = 48
 # Weight elements dequantized at a time on the matmul path: the 49152-row LM
 # head goes in slices so the scratch stays 8 MB.
 _DEQUANT_CHUNK_ELEMENTS = 1 << 22

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inferd.layers.cpu_kernels import LINEAR_MAX_ROWS, dequantize_int4, linear_kernel, linear_small
-from inferd.layers.linear import DENSE_KERNEL_MAX_ROWS, Linear, dense_linear
+from inferd.layers.linear import FLOAT32_KERNEL_MAX_ROWS, Linear, dense_kernel_max_rows, dense_linear
 from inferd.layers.quant import Int4Linear, Int8Linear
 
 
@@ -100,11 +100,13 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only(monkeypatch):
     real = linear_module.linear_small
     monkeypatch.setattr(linear_module, "linear_small", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     with torch.inference_mode():
-        for rows in (1, DENSE_KERNEL_MAX_ROWS, DENSE_KERNEL_MAX_ROWS + 1):
+        for rows in (1, FLOAT32_KERNEL_MAX_ROWS, FLOAT32_KERNEL_MAX_ROWS + 1):
             x = torch.randn(rows, 64)
             ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
             assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-5)
-    assert calls == [1, DENSE_KERNEL_MAX_ROWS]
+    assert calls == [1, FLOAT32_KERNEL_MAX_ROWS]
+    assert dense_kernel_max_rows(torch.float32) == FLOAT32_KERNEL_MAX_ROWS
+    assert dense_kernel_max_rows(torch.float16) == 0
     # Autograd keeps PyTorch's path: the kernel records no graph.
     x = torch.randn(1, 64)
     assert dense_linear(x, layer.weight).requires_grad

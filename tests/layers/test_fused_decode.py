@@ -52,7 +52,7 @@ def _requests(n: int) -> list[Request]:
 def _prefill_then_decode(runner: ModelRunner, reqs: list[Request]) -> SchedulerOutput:
     """Prefills every request but its last token; returns the step that
     decodes that token for all of them (contexts of different lengths)."""
-    tables = {r.request_id: list(range(8 * i, 8 * i + 8)) for i, r in enumerate(reqs)}
+    tables = {r.request_id: list(range(16 * i, 16 * i + 16)) for i, r in enumerate(reqs)}
     prefill = [ScheduledRequest(r, 0, r.num_tokens - 1, tables[r.request_id]) for r in reqs]
     runner.compute_logits(SchedulerOutput(prefill))
     for r in reqs:
@@ -61,7 +61,7 @@ def _prefill_then_decode(runner: ModelRunner, reqs: list[Request]) -> SchedulerO
 
 
 def _decode_logits(model: LlamaForCausalLM, config: ModelArchConfig, dtype: torch.dtype, rows: int, fused: bool):
-    runner = ModelRunner(model, config, num_blocks=8 * rows, block_size=BLOCK_SIZE, dtype=dtype)
+    runner = ModelRunner(model, config, num_blocks=16 * rows, block_size=BLOCK_SIZE, dtype=dtype)
     step = _prefill_then_decode(runner, _requests(rows))
     model.model.fused_decode = fused
     try:
@@ -120,7 +120,7 @@ def test_steps_the_kernel_does_not_take_run_per_op():
     # More rows than FUSED_MAX_ROWS: per-op, and the logits still match.
     many = _decode_logits(model, config, torch.float32, FUSED_MAX_ROWS + 1, fused=False)
     assert many.shape == (FUSED_MAX_ROWS + 1, VOCAB)
-    runner = ModelRunner(model, config, num_blocks=32, block_size=BLOCK_SIZE, dtype=torch.float32)
+    runner = ModelRunner(model, config, num_blocks=48, block_size=BLOCK_SIZE, dtype=torch.float32)
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FusedDecoder, "run", lambda self, *a: calls.append(1))
@@ -128,7 +128,7 @@ def test_steps_the_kernel_does_not_take_run_per_op():
         decode = _prefill_then_decode(runner, reqs)
         # A prefill chunk beside the decodes: per-op.
         extra = Request("p", [1, 2, 3, 4, 5], SamplingParams())
-        runner.compute_logits(SchedulerOutput([*decode.scheduled, ScheduledRequest(extra, 0, 5, [30, 31])]))
+        runner.compute_logits(SchedulerOutput([*decode.scheduled, ScheduledRequest(extra, 0, 5, [40, 41])]))
         mp.setattr(fused_decode, "FUSED_MAX_ROWS", 1)
         runner.compute_logits(decode)  # two decodes over a limit of one: per-op
     assert calls == []

@@ -135,13 +135,15 @@ static void rotate_and_cache(const struct step *s, void *qkv, void *q, void *k_c
     }
 }
 
+// Shared among the threads of the enclosing parallel region.
 static void silu_mul(const struct step *s, const void *gate_up, void *act) {
     const int n = s->intermediate, dt = s->dtype;
-    for (int m = 0; m < s->rows; m++)
-        for (int i = 0; i < n; i++) {
-            float g = get(gate_up, dt, (int64_t)m * 2 * n + i), u = get(gate_up, dt, (int64_t)m * 2 * n + n + i);
-            put(act, dt, (int64_t)m * n + i, round_to(dt, g / (1.0f + expf(-g))) * u);
-        }
+    #pragma omp for schedule(static)
+    for (int64_t j = 0; j < (int64_t)s->rows * n; j++) {
+        const int64_t m = j / n, i = j % n;
+        float g = get(gate_up, dt, m * 2 * n + i), u = get(gate_up, dt, m * 2 * n + n + i);
+        put(act, dt, j, round_to(dt, g / (1.0f + expf(-g))) * u);
+    }
 }
 
 static int check_linear(const struct step *s, const struct linear_weight *w, int in_features, int out_features) {
@@ -198,16 +200,17 @@ int decode_layers(const struct layer_weights *layers, int n_layers, const struct
     char *gate_up = attn + n_q * esize;
     char *act = gate_up + n_gu * esize;
     const int dt = s->dtype, M = s->rows;
-    struct xrows xr;  // shared: set by one thread, read by all after the barrier
 
     #pragma omp parallel num_threads(s->num_threads)
     for (int l = 0; l < n_layers; l++) {
         const struct layer_weights *L = layers + l;
+        // Each linear's prepared input in the same buffer; the barriers at
+        // the ends of the work-sharing loops order its reuse.
+        struct xrows xr;
         #pragma omp single
-        {
-            add_rms_norm(s, x, residual, l == 0, L->input_norm, h);
-            linear_prepare(h, dt, M, H, L->qkv.kind, L->qkv.group, xbuf, &xr);
-        }
+        add_rms_norm(s, x, residual, l == 0, L->input_norm, h);
+        xr = xrows_layout(xbuf, M, H, L->qkv.kind, L->qkv.group);
+        linear_prepare(h, dt, M, H, L->qkv.kind, L->qkv.group, &xr);
         linear_rows(&xr, M, H, L->qkv.weight, L->qkv.kind, qkv_width, L->qkv.scales, L->qkv.group, qkv, dt);
         #pragma omp single
         {
@@ -216,21 +219,18 @@ int decode_layers(const struct layer_weights *layers, int n_layers, const struct
         }
         paged_attention_rows(q, L->k_cache, L->v_cache, attn, s->tables, s->seq_lens, M, s->num_heads,
                              s->num_kv_heads, s->head_dim, s->block_size, s->max_blocks, s->scale, dt);
-        #pragma omp single
-        linear_prepare(attn, dt, M, q_width, L->o.kind, L->o.group, xbuf, &xr);
+        xr = xrows_layout(xbuf, M, q_width, L->o.kind, L->o.group);
+        linear_prepare(attn, dt, M, q_width, L->o.kind, L->o.group, &xr);
         linear_rows(&xr, M, q_width, L->o.weight, L->o.kind, H, L->o.scales, L->o.group, x, dt);
         #pragma omp single
-        {
-            add_rms_norm(s, x, residual, 0, L->post_norm, h);
-            linear_prepare(h, dt, M, H, L->gate_up.kind, L->gate_up.group, xbuf, &xr);
-        }
+        add_rms_norm(s, x, residual, 0, L->post_norm, h);
+        xr = xrows_layout(xbuf, M, H, L->gate_up.kind, L->gate_up.group);
+        linear_prepare(h, dt, M, H, L->gate_up.kind, L->gate_up.group, &xr);
         linear_rows(&xr, M, H, L->gate_up.weight, L->gate_up.kind, 2 * s->intermediate, L->gate_up.scales,
                     L->gate_up.group, gate_up, dt);
-        #pragma omp single
-        {
-            silu_mul(s, gate_up, act);
-            linear_prepare(act, dt, M, s->intermediate, L->down.kind, L->down.group, xbuf, &xr);
-        }
+        silu_mul(s, gate_up, act);
+        xr = xrows_layout(xbuf, M, s->intermediate, L->down.kind, L->down.group);
+        linear_prepare(act, dt, M, s->intermediate, L->down.kind, L->down.group, &xr);
         linear_rows(&xr, M, s->intermediate, L->down.weight, L->down.kind, H, L->down.scales, L->down.group, x, dt);
     }
     return 0;

@@ -16,7 +16,8 @@ struct xrows {
 
 int linear_check(int x_dtype, int M, int K, int kind, int group, int out_dtype);
 size_t linear_prepare_bytes(int M, int K, int kind, int group);
-void linear_prepare(const void *x, int x_dtype, int M, int K, int kind, int group, void *buf, struct xrows *xr);
+struct xrows xrows_layout(void *buf, int M, int K, int kind, int group);
+void linear_prepare(const void *x, int x_dtype, int M, int K, int kind, int group, const struct xrows *xr);
 void linear_rows(const struct xrows *xr, int M, int K, const void *w, int kind, int N, const uint16_t *scales,
                  int group, void *out, int out_dtype);
 

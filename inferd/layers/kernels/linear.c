@@ -300,25 +300,37 @@ size_t linear_prepare_bytes(int M, int K, int kind, int group) {
     return (((size_t)M * (K + groups + blocks)) * sizeof(float) + (size_t)M * K + 63) / 64 * 64;
 }
 
-// Widens x into `buf` (linear_prepare_bytes, 64-byte aligned), and for int4
-// quantizes it and sums its groups. Serial: once per call, before the rows.
-void linear_prepare(const void *x, int x_dtype, int M, int K, int kind, int group, void *buf, struct xrows *xr) {
-    const int groups = kind == W_INT4 ? K / group : 0, blocks = kind == W_INT4 ? K / 32 : 0;
+// Where linear_prepare puts each part of the prepared rows in `buf`.
+struct xrows xrows_layout(void *buf, int M, int K, int kind, int group) {
+    const size_t groups = kind == W_INT4 ? (size_t)(K / group) : 0, blocks = kind == W_INT4 ? (size_t)(K / 32) : 0;
     float *xf = buf;
-    xr->xf = xf;
-    xr->xsum = xf + (size_t)M * K;
-    xr->xd = xf + (size_t)M * K + (size_t)M * groups;
-    xr->xq = (const int8_t *)(xf + (size_t)M * (K + groups + blocks));
-    for (int64_t i = 0; i < (int64_t)M * K; i++)
-        xf[i] = x_dtype == DT_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
-    if (kind != W_INT4) return;
-    quantize_rows(xf, (int64_t)M * K, (int8_t *)xr->xq, (float *)xr->xd);
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int k = g * group; k < (g + 1) * group; k++) s += xf[(int64_t)m * K + k];
-            ((float *)xr->xsum)[m * groups + g] = s;
-        }
+    struct xrows xr = {xf, (const int8_t *)(xf + (size_t)M * (K + groups + blocks)), xf + (size_t)M * (K + groups),
+                       xf + (size_t)M * K};
+    return xr;
+}
+
+// Widens x into xr (laid out by xrows_layout over linear_prepare_bytes,
+// 64-byte aligned), and for int4 quantizes each 32-input block and sums
+// each group. The rows' groups are shared among the threads of the
+// enclosing parallel region (an orphaned worksharing loop).
+void linear_prepare(const void *x, int x_dtype, int M, int K, int kind, int group, const struct xrows *xr) {
+    // A unit of work: one group of one row (for float kinds, 32 inputs).
+    const int unit = kind == W_INT4 ? group : 32, per_row = (K + unit - 1) / unit;
+    float *xf = (float *)xr->xf;
+    #pragma omp for schedule(static)
+    for (int u = 0; u < M * per_row; u++) {
+        const int m = u / per_row, g = u % per_row;
+        const int64_t start = (int64_t)m * K + (int64_t)g * unit;
+        const int n = K - g * unit < unit ? K - g * unit : unit;
+        if (x_dtype == DT_F32) memcpy(xf + start, (const float *)x + start, (size_t)n * sizeof(float));
+        else
+            for (int i = 0; i < n; i++) xf[start + i] = bf16_to_f32(((const uint16_t *)x)[start + i]);
+        if (kind != W_INT4) continue;
+        float sum = 0.0f;
+        for (int i = 0; i < n; i++) sum += xf[start + i];
+        ((float *)xr->xsum)[(int64_t)m * per_row + g] = sum;
+        quantize_rows(xf + start, n, (int8_t *)xr->xq + start, (float *)xr->xd + start / 32);
+    }
 }
 
 // The output rows, shared among the threads of the enclosing parallel
@@ -363,11 +375,13 @@ int linear_small(const void *x, int x_dtype, int M, int K, const void *w, int ki
     if (code) return code;
     void *buf = scratch(linear_prepare_bytes(M, K, kind, group));
     if (buf == NULL) return -4;
-    struct xrows xr;
-    linear_prepare(x, x_dtype, M, K, kind, group, buf, &xr);
+    const struct xrows xr = xrows_layout(buf, M, K, kind, group);
     // Small layers run on the calling thread: waking the others costs more.
     #pragma omp parallel num_threads(num_threads) if ((int64_t)N * K * M >= PARALLEL_MIN_WORK)
-    linear_rows(&xr, M, K, w, kind, N, scales, group, out, out_dtype);
+    {
+        linear_prepare(x, x_dtype, M, K, kind, group, &xr);
+        linear_rows(&xr, M, K, w, kind, N, scales, group, out, out_dtype);
+    }
     return 0;
 }
 

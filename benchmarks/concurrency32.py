@@ -34,7 +34,7 @@ from pathlib import Path
 from _server import free_port, log_tail, stop_server, vm_hwm_mb, wait_healthy  # the script's folder
 
 RESULTS = Path(__file__).parent / "results" / "concurrency32.json"
-DEFAULT_VARIANTS = ["bf16=--dtype bfloat16", "int8=--quantization int8"]
+DEFAULT_VARIANTS = ["fp32=--dtype float32", "bf16=--dtype bfloat16", "int8=--quantization int8", "int4=--quantization int4"]
 CONCURRENCY, INPUT_LEN, OUTPUT_LEN = 32, 256, 128
 
 

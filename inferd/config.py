@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferd.layers import quant
 from inferd.layers.quant import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,12 +108,13 @@ class EngineConfig:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if self.quantization != "none":
-            # The quantized kernels compute in bfloat16 whatever the model
-            # dtype; running the rest in bfloat16 too saves a cast at each
-            # layer and halves the KV cache. Measured (int4, default model):
-            # batch-1 70 vs 67 tok/s, 1000-token prefill 488 vs 840 ms against
-            # float32 activations (benchmarks/results/quant_kernels.json).
-            return torch.bfloat16
+            # bfloat16 where the CPU multiplies bf16 in hardware (AVX512-BF16,
+            # AMX): the quantized layers' matmul path computes in bf16 there
+            # and the KV cache halves. Elsewhere float32, whose GEMM and SDPA
+            # PyTorch runs at several times its bf16 speed: int4 batch-1
+            # decode measured 123-141 tok/s against 94-116 in bfloat16 on a
+            # 2-core AVX2 CPU (same session, alternating runs).
+            return quant.matmul_dtype()
         # On CPU float32 GEMV reads weights at full memory bandwidth while
         # oneDNN's bf16 path does not yet (see benchmarks/), so float32 wins.
         return torch.float32

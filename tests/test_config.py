@@ -16,11 +16,16 @@ def test_quantization_fields_are_validated_by_name():
     assert EngineConfig(quantization="int4", quantization_group_size=128).quantization_group_size == 128
 
 
-def test_quantized_models_default_to_bfloat16_on_cpu():
+def test_quantized_models_default_to_bfloat16_only_with_bf16_hardware(monkeypatch):
+    from inferd.layers import quant
+
     cpu = torch.device("cpu")
     assert EngineConfig().resolve_dtype(cpu) == torch.float32
-    assert EngineConfig(quantization="int8").resolve_dtype(cpu) == torch.bfloat16
-    assert EngineConfig(quantization="int4").resolve_dtype(cpu) == torch.bfloat16
+    for hardware in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(quant, "matmul_dtype", lambda hardware=hardware: hardware)
+        assert EngineConfig(quantization="int8").resolve_dtype(cpu) == hardware
+        assert EngineConfig(quantization="int4").resolve_dtype(cpu) == hardware
+        assert EngineConfig(quantization="int4", dtype="bfloat16").resolve_dtype(cpu) == torch.bfloat16
     assert EngineConfig(quantization="int4", dtype="float32").resolve_dtype(cpu) == torch.float32
 
 

@@ -4,8 +4,8 @@ Variants, each in its own child process (so peak RSS is its own):
   * fp32: no quantization, float32 (the reference);
   * bf16: no quantization, bfloat16 activations (what the quantized variants
     also run in, so their gap to fp32 splits into bf16 and quantization);
-  * int8: --quantization int8 (dtype auto = bfloat16);
-  * int4: --quantization int4 (dtype auto = bfloat16; Q4_1 blocks loaded as is);
+  * int8: --quantization int8 (dtype auto: bfloat16 with bf16 hardware, else float32);
+  * int4: --quantization int4 (dtype auto; Q4_1 blocks loaded as is);
   * int4_head4: int4 with the LM head int4 as well (group 32; the tied
     embedding then stays a float table), to show what LM_HEAD_METHOD = int8 buys.
 

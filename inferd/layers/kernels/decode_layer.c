@@ -53,20 +53,6 @@ struct step {
     const int64_t *seq_lens; // (rows,)
 };
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)((v.u + rounding) >> 16);
-}
-
 static inline float get(const void *p, int dtype, int64_t i) {
     return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
 }

@@ -58,20 +58,6 @@ static void *scratch(size_t bytes) {
 }
 
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);  // NaN stays NaN
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);  // round to nearest even
-    return (uint16_t)((v.u + rounding) >> 16);
-}
-
 static inline void store(void *out, int dtype, int64_t i, float v) {
     if (dtype == DT_F32) ((float *)out)[i] = v;
     else ((uint16_t *)out)[i] = f32_to_bf16(v);
@@ -149,7 +135,7 @@ static void dot_dense(const void *w, int kind, int64_t row, const float *x, int 
 // instructions of widening every code to float, and the kernel is then
 // bound by memory again. As in llama.cpp's Q4 x Q8 dot products, the
 // inputs' rounding (half a step of max|x| / 127 per block) is the price.
-// xsum holds each group's sum of the float32 inputs, for the zero term.
+// xsum holds each group's sum of the inputs the codes meet, for the zero term.
 
 // Per block of one row: the weight scale times the input's block scale
 // (sd), and the row's zero term, sum over groups of (z - 8 s) * sum(x).
@@ -326,10 +312,25 @@ void linear_prepare(const void *x, int x_dtype, int M, int K, int kind, int grou
         else
             for (int i = 0; i < n; i++) xf[start + i] = bf16_to_f32(((const uint16_t *)x)[start + i]);
         if (kind != W_INT4) continue;
+        int8_t *xq = (int8_t *)xr->xq + start;
+        float *xd = (float *)xr->xd + start / 32;
+        quantize_rows(xf + start, n, xq, xd);
+        // The group sum for the zero term, of the same inputs the codes
+        // meet: with the AVX2 loop, the int8-rounded ones. The two terms
+        // nearly cancel when the zero is about -8 scales, so a sum of the
+        // exact inputs beside products of rounded ones would magnify the
+        // rounding; this way the result is exactly sum(rounded x * W).
         float sum = 0.0f;
+#if HAVE_AVX2
+        for (int b = 0; b < n / 32; b++) {
+            int32_t q = 0;
+            for (int i = 0; i < 32; i++) q += xq[b * 32 + i];
+            sum += (float)q * xd[b];
+        }
+#else
         for (int i = 0; i < n; i++) sum += xf[start + i];
+#endif
         ((float *)xr->xsum)[(int64_t)m * per_row + g] = sum;
-        quantize_rows(xf + start, n, (int8_t *)xr->xq + start, (float *)xr->xd + start / 32);
     }
 }
 

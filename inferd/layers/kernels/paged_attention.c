@@ -33,20 +33,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 128
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);  // NaN stays NaN
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);  // round to nearest even
-    return (uint16_t)((v.u + rounding) >> 16);
-}
-
 static inline void load_row(const void *base, int64_t offset, int dtype, int n, float *dst) {
     if (dtype == 0) {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));

@@ -24,7 +24,7 @@ from inferd.engine.request import Request
 from inferd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from inferd.engine.spec_decode import DraftPosition, num_accepted
 from inferd.layers.attention import SeqChunk, build_attention_metadata
-from inferd.layers.cpu_kernels import paged_attention_kernel
+from inferd.layers.cpu_kernels import kernels_available
 from inferd.layers.host_memory import move_to_huge_pages, zeroed
 from inferd.models.config import ModelArchConfig
 from inferd.types import TopLogprobs
@@ -132,7 +132,7 @@ class ModelRunner:
         applies = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         if decode_kernel and not applies:
             raise ValueError(f"the CPU decode kernel does not run on {self.device} in {dtype}")
-        self.decode_kernel = applies and decode_kernel is not False and paged_attention_kernel()
+        self.decode_kernel = applies and decode_kernel is not False and kernels_available()
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         pool = _zeroed((config.num_hidden_layers, 2, *shape), dtype, self.device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [(layer[0], layer[1]) for layer in pool]

@@ -6,18 +6,20 @@
 - ``linear.c``: linear layers for a few input rows (decoding) over float32,
   bfloat16, int8 and int4 weights, reading each weight once at memory
   speed, and the int4 weight's dequantization for the many-row path.
+- ``decode_layer.c``: a decode step's decoder layers in one call, over the
+  other two (``inferd.layers.fused_decode``).
 
-The kernels live as plain C in ``kernels/`` and are compiled on first use
-with the system C compiler (``cc -O3 -march=native -fopenmp``, about a
-second each), then loaded with ``ctypes``: no PyTorch headers, no build
-step at install time. A shared object is cached under
+The kernels live as plain C in ``kernels/`` and are compiled together on
+first use with the system C compiler (``cc -O3 -march=native -fopenmp``,
+about two seconds), then loaded with ``ctypes``: no PyTorch headers, no
+build step at install time. The shared object is cached under
 ``$XDG_CACHE_HOME/inferd/kernels`` (or ``~/.cache/inferd/kernels``), named
-by a hash of the source, the flags and the CPU's feature flags, so a second
+by a hash of the sources, the flags and the CPU's feature flags, so a second
 start only loads it.
 
-Where no compiler is found or a build fails, ``paged_attention_kernel()``
-and ``linear_kernel()`` return False (with one warning in the log) and
-callers keep their PyTorch path.
+Where no compiler is found or the build fails, ``kernels_available()``
+returns False (with one warning in the log) and callers keep their PyTorch
+path.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ _KERNELS = Path(__file__).parent / "kernels"
 # -ffast-math lets the compiler reassociate the dot products and call
 # glibc's vector expf: the kernel's loops vectorize (it avoids infinities).
 _FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The kernels' codes for activation dtypes and for weight kinds.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: packed int4
 _ERRORS = {
     -1: "num_heads must be a multiple of num_kv_heads",
     -2: "group size, head_dim or block_size above the kernel's limits (16, 256, 128)",
@@ -57,7 +61,8 @@ def _cache_dir() -> Path:
     return Path(base) / "inferd" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags line from /proc/cpuinfo (or the platform's name)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -72,7 +77,7 @@ def _build(name: str, sources: list[Path]) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     key = hashlib.sha256(
-        b"".join(src.read_bytes() for src in (*sources, *_HEADERS)) + " ".join(_FLAGS).encode() + compiler.encode() + _cpu_flags().encode()
+        b"".join(src.read_bytes() for src in (*sources, *_HEADERS)) + " ".join(_FLAGS).encode() + compiler.encode() + cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():
@@ -124,8 +129,20 @@ def kernels_available() -> bool:
     return _library() is not None
 
 
-# The callers' names for what they need.
-paged_attention_kernel = linear_kernel = kernels_available
+def _loaded() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
+    return lib
+
+
+def weight_kind(weight: Tensor) -> int:
+    """The kernels' code for a weight: float32 0, bfloat16 1, int8 codes 2,
+    packed int4 codes (uint8, ``inferd.layers.int4_layout``) 3."""
+    kind = _WEIGHT_KINDS.get(weight.dtype)
+    if kind is None:
+        raise ValueError(f"no CPU kernel takes {weight.dtype} weights")
+    return kind
 
 
 def paged_decode_attention(
@@ -138,10 +155,8 @@ def paged_decode_attention(
     number of cached tokens to attend (the query's own included). Returns
     (S, H, D) in ``q``'s dtype. Raises ValueError for arguments it cannot take.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU paged-attention kernel is not available")
-    if q.dtype not in _DTYPE_CODES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    lib = _loaded()
+    if q.dtype not in DTYPE_CODES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q and the caches must share a dtype in float32/bfloat16, got {q.dtype}, {k_cache.dtype}")
     if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, tables, seq_lens)):
         raise ValueError("paged_decode_attention runs on CPU tensors only")
@@ -161,15 +176,13 @@ def paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         tables.data_ptr(), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], num_blocks,
-        float(scale), _DTYPE_CODES[q.dtype], torch.get_num_threads(),
+        float(scale), DTYPE_CODES[q.dtype], torch.get_num_threads(),
     )  # fmt: skip
     if code != 0:
         raise ValueError(f"paged_decode_attention: {_ERRORS.get(code, f'error {code}')}")
     return out
 
 
-_WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-_INT4 = 3
 # linear_small takes at most this many input rows (the C kernel's MAX_ROWS).
 LINEAR_MAX_ROWS = 64
 _LINEAR_ERRORS = {
@@ -196,15 +209,13 @@ def linear_small(x: Tensor, weight: Tensor, scales: Tensor | None = None, group_
     per step, so it checks only what the layers do not: the input. The
     layer keeps its weight contiguous on the CPU.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU linear kernels are not available")
-    dtype = _DTYPE_CODES.get(x.dtype)
+    lib = _loaded()
+    dtype = DTYPE_CODES.get(x.dtype)
     if dtype is None or x.dim() != 2 or x.shape[1] != (weight.shape[1] * 2 if weight.dtype == torch.uint8 else weight.shape[1]):
         raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit weight {weight.dtype} {tuple(weight.shape)}")
     x = x.contiguous()
     rows, k = x.shape
-    kind = _INT4 if weight.dtype == torch.uint8 else _WEIGHT_KINDS[weight.dtype]
+    kind = weight_kind(weight)
     out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
     code = lib.linear_small(
         x.data_ptr(), dtype, rows, k, weight.data_ptr(), kind, weight.shape[0],
@@ -220,17 +231,15 @@ def dequantize_int4(packed: Tensor, scales_zeros: Tensor, group_size: int, start
     """Writes rows ``[start, stop)`` of an int4 weight, ``(code - 8) * scale +
     zero`` in float32 rounded once, into ``out`` ((stop - start, K) float32 or
     bfloat16, contiguous) and returns it."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU linear kernels are not available")
+    lib = _loaded()
     k = packed.shape[1] * 2
-    if out.dtype not in _DTYPE_CODES or out.shape != (stop - start, k) or not out.is_contiguous():
+    if out.dtype not in DTYPE_CODES or out.shape != (stop - start, k) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous ({stop - start}, {k}) float32/bfloat16 tensor")
     if not 0 <= start <= stop <= packed.shape[0]:
         raise ValueError(f"rows [{start}, {stop}) outside 0..{packed.shape[0]}")
     code = lib.dequantize_int4(
         packed.data_ptr(), scales_zeros.data_ptr(), k, group_size, start, stop,
-        out.data_ptr(), _DTYPE_CODES[out.dtype], torch.get_num_threads(),
+        out.data_ptr(), DTYPE_CODES[out.dtype], torch.get_num_threads(),
     )  # fmt: skip
     _check_linear(code, "dequantize_int4")
     return out
@@ -240,7 +249,7 @@ def decode_layers(layers: object, num_layers: int, step: object, x_ptr: int, res
     """A decode step's decoder layers (``kernels/decode_layer.c``): the
     structures and pointers come from ``inferd.layers.fused_decode``, which
     owns their layouts."""
-    code = _library().decode_layers(layers, num_layers, step, x_ptr, residual_ptr)
+    code = _loaded().decode_layers(layers, num_layers, step, x_ptr, residual_ptr)
     if code == 0:
         return
     if code <= -20:

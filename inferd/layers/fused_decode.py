@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from inferd.layers.attention import AttentionMetadata
-from inferd.layers.cpu_kernels import decode_layers, kernels_available
+from inferd.layers.cpu_kernels import DTYPE_CODES, decode_layers, kernels_available, weight_kind
 from inferd.layers.linear import Linear
 from inferd.layers.quant import Int4Linear, Int8Linear
 
@@ -31,8 +31,6 @@ from inferd.layers.quant import Int4Linear, Int8Linear
 # at 8 rows 175 vs 135 tok/s (float32) and 228 vs 177 (int4), at 16 rows 173
 # vs 122 and 238 vs 213; at 32 rows int4 lost (184 vs 208).
 FUSED_MAX_ROWS = 16
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class LinearWeight(ctypes.Structure):
@@ -78,29 +76,28 @@ def _linear_weight(module: nn.Module, dtype: torch.dtype, bias_allowed: bool) ->
     if bias is not None and (not bias_allowed or bias.dtype != dtype):
         return None
     if isinstance(module, Int4Linear):
-        fields = (module.packed, module.scales_zeros, 3, module.group_size)
+        weight, scales, group = module.packed, module.scales_zeros, module.group_size
     elif isinstance(module, Int8Linear):
-        fields = (module.codes, module.scales, 2, 0)
+        weight, scales, group = module.codes, module.scales, 0
     elif isinstance(module, Linear) and module.weight.dtype == dtype:
-        fields = (module.weight, None, _WEIGHT_KINDS[dtype], 0)
+        weight, scales, group = module.weight, None, 0
     else:
         return None
-    weight, scales, kind, group = fields
     if weight.device.type != "cpu" or not weight.is_contiguous():
         return None
     return LinearWeight(
         weight.data_ptr(),
         None if scales is None else scales.data_ptr(),
         None if bias is None else bias.data_ptr(),
-        kind, group, module.out_features, module.in_features,
+        weight_kind(weight), group, module.out_features, module.in_features,
     )  # fmt: skip
 
 
 class FusedDecoder:
-    def __init__(self, layers: list[LayerWeights], step: Step, keep: list[Tensor]) -> None:
+    def __init__(self, layers: list[LayerWeights], step: Step) -> None:
+        # The structures hold the weights' addresses; the model's modules own them.
         self.layers = (LayerWeights * len(layers))(*layers)
         self.step = step
-        self._keep = keep  # tensors whose pointers the structures hold
         self._caches: list[tuple[Tensor, Tensor]] | None = None
 
     @classmethod
@@ -108,9 +105,9 @@ class FusedDecoder:
         """From Llama-family decoder layers (``self_attn.qkv_proj/o_proj``,
         ``mlp.gate_up_proj/down_proj``, the two norms), or None where they
         do not fit the kernel."""
-        if dtype not in _DTYPE_CODES or not kernels_available():
+        if dtype not in DTYPE_CODES or not kernels_available():
             return None
-        layers, keep = [], []
+        layers = []
         for layer in decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [
@@ -123,7 +120,6 @@ class FusedDecoder:
             if any(w is None for w in linears) or any(n.dtype != dtype or not n.is_contiguous() for n in norms):
                 return None
             layers.append(LayerWeights(*linears, *(n.data_ptr() for n in norms), None, None))
-            keep.extend(norms)
         first = decoder_layers[0].self_attn
         step = Step(
             hidden=decoder_layers[0].input_layernorm.weight.shape[0],
@@ -131,11 +127,11 @@ class FusedDecoder:
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
             intermediate=decoder_layers[0].mlp.intermediate_size,
-            dtype=_DTYPE_CODES[dtype],
+            dtype=DTYPE_CODES[dtype],
             eps=rms_eps,
             scale=first.attn.scale,
         )
-        return cls(layers, step, keep)
+        return cls(layers, step)
 
     @staticmethod
     def applies(x: Tensor, meta: AttentionMetadata) -> bool:
@@ -145,7 +141,7 @@ class FusedDecoder:
             and not meta.prefills
             and len(meta.decodes) == 1
             and meta.num_decodes == x.shape[0] <= FUSED_MAX_ROWS
-            and x.dtype in _DTYPE_CODES
+            and x.dtype in DTYPE_CODES
         )
 
     def run(

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.layers.cpu_kernels import LINEAR_MAX_ROWS, linear_kernel, linear_small
+from inferd.layers.cpu_kernels import LINEAR_MAX_ROWS, kernels_available, linear_small
 from inferd.layers.quant import matmul_dtype
 
 # Input rows up to which the kernel beats PyTorch's GEMM on every decoder
@@ -51,7 +51,7 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
         and x.shape[0] <= dense_kernel_max_rows(x.dtype)
         and x.device.type == "cpu"
         and not (weight.requires_grad and torch.is_grad_enabled())
-        and linear_kernel()
+        and kernels_available()
     ):
         out = linear_small(x, weight)
         return out if bias is None else out.add_(bias)

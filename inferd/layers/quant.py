@@ -22,13 +22,12 @@ The crossovers below were measured with ``benchmarks/quant_kernels.py``
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.layers.cpu_kernels import dequantize_int4, linear_kernel, linear_small
+from inferd.layers.cpu_kernels import cpu_flags, dequantize_int4, kernels_available, linear_small
 from inferd.layers.int4_layout import pack_int4, unpack_int4
 
 # Scales and zeros are stored in bf16 (GGUF's are f16: bf16 keeps their range).
@@ -48,13 +47,7 @@ _DEQUANT_CHUNK_ELEMENTS = 1 << 22
 @functools.cache
 def matmul_dtype() -> torch.dtype:
     """The dtype of the dequantize + matmul path on this CPU."""
-    try:
-        flags = next(
-            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
-        ).split()
-    except OSError:
-        flags = []
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & set(flags) else torch.float32
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()) else torch.float32
 
 
 def _kernel_applies(x: Tensor, max_rows: int) -> bool:
@@ -62,7 +55,7 @@ def _kernel_applies(x: Tensor, max_rows: int) -> bool:
         x.shape[0] <= max_rows
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
-        and linear_kernel()
+        and kernels_available()
     )
 
 
@@ -288,7 +281,7 @@ class Int4Linear(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _dequantize_rows(self, start: int, stop: int, out: Tensor) -> Tensor:
-        if self.use_kernel and out.device.type == "cpu" and linear_kernel():
+        if self.use_kernel and out.device.type == "cpu" and kernels_available():
             return dequantize_int4(self.packed, self.scales_zeros, self.group_size, start, stop, out)
         return out.copy_(self._float_rows(start, stop))
 

@@ -85,7 +85,7 @@ def test_without_the_compiled_kernels_every_path_is_the_torch_matmul(kind, monke
     layer = Int8Linear.from_float(_weight(64, 64)) if kind == "int8" else Int4Linear.from_float(_weight(64, 64), 32)
     x = torch.randn(2, 64)
     expected = x.to(torch.bfloat16).float() @ layer.dequantize().T
-    monkeypatch.setattr(quant, "linear_kernel", lambda: False)
+    monkeypatch.setattr(quant, "kernels_available", lambda: False)
     monkeypatch.setattr(quant, "linear_small", None)  # would raise if called
     monkeypatch.setattr(quant, "dequantize_int4", None)
     out = layer(x)

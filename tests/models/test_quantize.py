@@ -12,7 +12,7 @@ from inferd.models.quantize import quantize_model
 from inferd.models.registry import build_model
 
 Q = gguf.GGMLQuantizationType
-# Torch's int4 layout keeps scale and zero in bf16: rounding each (2^-8 relative
+# The int4 layout keeps scale and zero in bf16: rounding each (2^-8 relative
 # at most) moves a value by up to 8 |scale| + |zero| times 2^-8.
 BF16_ROUNDING = 2**-8
 

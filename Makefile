@@ -34,6 +34,7 @@ bench: setup
 	$(PY) benchmarks/prefix_cache.py
 	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/batch1_decode.py
+	$(PY) benchmarks/fused_decode.py
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/quant_kernels.py
 	$(PY) benchmarks/concurrency32.py

@@ -111,9 +111,12 @@ class EngineConfig:
             # bfloat16 where the CPU multiplies bf16 in hardware (AVX512-BF16,
             # AMX): the quantized layers' matmul path computes in bf16 there
             # and the KV cache halves. Elsewhere float32, whose GEMM and SDPA
-            # PyTorch runs at several times its bf16 speed: int4 batch-1
-            # decode measured 123-141 tok/s against 94-116 in bfloat16 on a
-            # 2-core AVX2 CPU (same session, alternating runs).
+            # PyTorch runs several times faster than bf16: on a 2-core AVX2
+            # CPU the fused batch-1 decode is about even (121.7 vs 119.1
+            # tok/s) but the per-op path gains 51.5 vs 36.1
+            # (benchmarks/results/fused_decode.json), and prefill-heavy
+            # serving more (int4 at 32 streams: 126 tok/s in float32, 85 in
+            # bfloat16 in an earlier run, benchmarks/results/concurrency32.json).
             return quant.matmul_dtype()
         # On CPU float32 GEMV reads weights at full memory bandwidth while
         # oneDNN's bf16 path does not yet (see benchmarks/), so float32 wins.

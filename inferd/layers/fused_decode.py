@@ -27,9 +27,9 @@ from inferd.layers.linear import Linear
 from inferd.layers.quant import Int4Linear, Int8Linear
 
 # Rows up to which a decode step runs fused. Measured on the default model
-# (2 cores, 24 tokens from 64-token prompts, best of 2): fused against per-op
-# at 8 rows 175 vs 135 tok/s (float32) and 228 vs 177 (int4), at 16 rows 173
-# vs 122 and 238 vs 213; at 32 rows int4 lost (184 vs 208).
+# (benchmarks/results/fused_decode.json, 2 cores): fused against per-op at 8
+# rows 151 vs 99 tok/s (float32) and 273 vs 185 (int4), at 16 rows 149 vs 98
+# and 239 vs 203; at 32 rows float32 lost (182 vs 201).
 FUSED_MAX_ROWS = 16
 
 

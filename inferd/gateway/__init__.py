@@ -1,0 +1,1 @@
+"""The edge: API keys, rate limits, routing and replicas (``inferd gateway``)."""

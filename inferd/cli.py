@@ -7,11 +7,16 @@ import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from inferd.bench.config import BenchConfig, add_arguments as _bench_args, config_from_args as _bench_config
-from inferd.config import EngineConfig
+from inferd.gateway import keys_cli
 from inferd.sampling_params import SamplingParams
-from inferd.server.config import ServerConfig
+
+if TYPE_CHECKING:  # both import torch; `inferd keys`, `gateway` and `bench` never need it
+    from inferd.gateway.config import GatewayConfig
+    from inferd.config import EngineConfig
+    from inferd.server.config import ServerConfig
 
 
 @dataclass
@@ -21,6 +26,13 @@ class GenerateConfig:
     prompt: str
     # Wrap the prompt as a user message in the model's chat template.
     chat: bool = False
+
+
+@dataclass
+class GatewayCommand:
+    config: GatewayConfig
+    log_format: str = "plain"
+    log_level: str = "info"
 
 
 @dataclass
@@ -92,10 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server and report latency and throughput")
     _bench_args(bench)
+
+    gateway = sub.add_parser("gateway", help="run the edge: API keys, rate limits, routing, replicas")
+    gateway.add_argument("-c", "--config", required=True, help="the gateway's YAML file (see examples/gateway.yaml)")
+    gateway.add_argument("--host", default=None, help="listen address (default: the file's, else 127.0.0.1)")
+    gateway.add_argument("--port", type=int, default=None, help="listen port (default: the file's, else 8080)")
+    gateway.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS (with --tls-key)")
+    gateway.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    gateway.add_argument("--data-dir", default=None, help="keys, usage and replica logs (default: $INFERD_HOME, else ~/.inferd)")
+    gateway.add_argument("--log-format", default="plain", choices=["plain", "json"])
+    gateway.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    keys = sub.add_parser("keys", help="create, list and revoke the gateway's API keys")
+    keys_cli.add_arguments(keys)
     return parser
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
+    from inferd.config import EngineConfig
+
     return EngineConfig(
         model=a.model,
         dtype=a.dtype,
@@ -128,6 +155,8 @@ def _sampling_params(a: argparse.Namespace) -> SamplingParams:
 
 
 def _server_config(a: argparse.Namespace) -> ServerConfig:
+    from inferd.server.config import ServerConfig
+
     if a.model_arg is not None and a.model is not None and a.model_arg != a.model:
         raise ValueError(f"two models given: {a.model_arg!r} and --model {a.model!r}")
     a.model = a.model or a.model_arg
@@ -145,10 +174,17 @@ def _server_config(a: argparse.Namespace) -> ServerConfig:
     )
 
 
-def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig | ServerConfig | BenchConfig:
+def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig | ServerConfig | BenchConfig | GatewayCommand | argparse.Namespace:
     a = build_parser().parse_args(argv)
+    if a.command == "keys":  # no config object: keys_cli.run reads the flags itself
+        return a
     if a.command == "serve":
         return _server_config(a)
+    if a.command == "gateway":
+        from inferd.gateway.config import load_config
+
+        overrides = {"host": a.host, "port": a.port, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "data_dir": a.data_dir}
+        return GatewayCommand(load_config(a.config, **overrides), a.log_format, a.log_level)
     if a.command == "bench":
         return _bench_config(a)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -224,6 +260,14 @@ def run_chat(cfg: ChatConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
+        if isinstance(cfg, argparse.Namespace) and cfg.command == "keys":
+            return keys_cli.run(cfg)
+        if isinstance(cfg, GatewayCommand):
+            from inferd.gateway.launcher import run_gateway
+
+            return run_gateway(cfg.config, cfg.log_format, cfg.log_level)
+        from inferd.server.config import ServerConfig
+
         if isinstance(cfg, ServerConfig):
             from inferd.server.launcher import serve
 

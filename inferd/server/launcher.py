@@ -9,47 +9,21 @@ exits at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-import sys
 import time
 from types import FrameType
 
 import uvicorn
 
 from inferd.engine.async_engine import RequestAbortedError
+from inferd.obs.logs import configure_logging
 from inferd.server.app import ServerState, create_app
 from inferd.server.config import ServerConfig
 
 logger = logging.getLogger("inferd.server")
 
 _DRAIN_POLL_S = 0.05
-
-
-class JSONFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        handler.setFormatter(JSONFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 class _GracefulServer(uvicorn.Server):

@@ -197,7 +197,7 @@ def test_one_log_line_per_finished_request(http, caplog):
     assert fields["completion_tokens"] == 3 and fields["finish_reason"] == "length" and fields["model"] == "smol"
     assert 0 <= fields["queue_s"] <= fields["ttft_s"] <= fields["total_s"]
 
-    from inferd.server.launcher import JSONFormatter
+    from inferd.obs.logs import JSONFormatter
 
     entry = json.loads(JSONFormatter().format(lines[0]))
     assert entry["request_id"] == "log-me" and entry["prompt_tokens"] > 0

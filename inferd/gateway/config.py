@@ -281,11 +281,14 @@ class _Builder:
             raise
         except (ValueError, TypeError) as e:
             # The dataclasses' messages start with the field they name.
+            # "field must ..." and "field: ..." name their field; anything else
+            # ("command or upstreams: ...") is about the section as a whole.
             message = str(e)
-            first = message.split(" ", 1)[0].rstrip(":")
-            if first in fields:
-                here = f"{where}.{first}" if where else first
-                message = message[len(first):].lstrip(": ")
+            first, _, rest = message.partition(" ")
+            field_name = first.rstrip(":")
+            if field_name in fields and (first.endswith(":") or rest.startswith("must ")):
+                here = f"{where}.{field_name}" if where else field_name
+                message = rest
             else:
                 here = where
             raise self.fail(here, f"{here or 'config'}: {message}") from None

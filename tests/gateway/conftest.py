@@ -87,7 +87,7 @@ class LiveGateway:
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.app = create_app(config)
         kwargs = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key} if config.tls_cert else {}
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, access_log=False, **kwargs))
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, access_log=False, timeout_graceful_shutdown=5, **kwargs))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     @property

@@ -42,8 +42,13 @@ class FakeUpstream:
             self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
             if self.mode == "unavailable":
                 return JSONResponse({"error": {"message": "overloaded", "type": "service_unavailable"}}, status_code=503)
-            if self.mode == "cut_before_body":
-                raise ConnectionResetError("cut before the body")
+            if self.mode == "cut_before_body":  # headers sent, then the connection breaks
+
+                async def nothing():  # noqa: ANN202
+                    raise ConnectionResetError("cut before the body")
+                    yield b""
+
+                return StreamingResponse(nothing(), media_type="text/event-stream")
             if not body.get("stream"):
                 usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
                 choice = {"index": 0, "text": f"from {self.name}", "finish_reason": "length"}

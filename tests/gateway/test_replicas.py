@@ -27,8 +27,9 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_scale_from_zero_then_back_to_zero_after_idle(gateway_factory):
-    model = ModelConfig(name="smol", command=COMMAND, min_replicas=0, max_replicas=1, idle_timeout_s=2)
+def test_scale_from_zero_up_under_load_then_back_to_zero_after_idle(gateway_factory):
+    model = ModelConfig(name="smol", command=COMMAND, min_replicas=0, max_replicas=2, idle_timeout_s=2,
+                        target_concurrency=2, scale_up_after_s=0.5)
     live = gateway_factory([model], auth=AuthConfig(enabled=False), cold_start_timeout_s=120)
     pool = live.gateway.pools["smol"]
     time.sleep(0.5)
@@ -40,13 +41,25 @@ def test_scale_from_zero_then_back_to_zero_after_idle(gateway_factory):
     assert _metric(metrics, "inferd_gateway:replica_startup_seconds_count") == 1
     assert 1 < _metric(metrics, "inferd_gateway:replica_startup_seconds_sum") < 120
     assert _metric(metrics, "inferd_gateway:cold_start_wait_seconds_count") == 1
-    process = pool.replicas[0].process
+
+    # 6 in flight on one replica, target 2: a second replica starts.
+    async def load() -> list[int]:
+        body = {"prompt": "Count:", "max_tokens": 48, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=live.url, timeout=180) as c:
+            return [r.status_code for r in await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))]
+
+    assert asyncio.run(load()) == [200] * 6
+    live.wait_ready("smol", 2, timeout=120)
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert 'inferd_gateway:scaling_events_total{direction="up",model="smol"} 2.0' in metrics
+
+    processes = [r.process for r in pool.replicas]
     deadline = time.monotonic() + 60
     while pool.replicas and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert pool.replicas == [] and process.returncode is not None
+    assert pool.replicas == [] and all(p.returncode is not None for p in processes)
     metrics = httpx.get(f"{live.url}/metrics").text
-    assert 'inferd_gateway:scaling_events_total{direction="down",model="smol"} 1.0' in metrics
+    assert 'inferd_gateway:scaling_events_total{direction="down",model="smol"} 2.0' in metrics
     assert 'inferd_gateway:replicas{model="smol",state="ready"} 0.0' in metrics
 
 

@@ -214,6 +214,8 @@ class Gateway:
             if name in request.headers:
                 headers[name] = request.headers[name]
         headers.setdefault("traceparent", new_traceparent())
+        if model.upstream_api_key:
+            headers["authorization"] = f"Bearer {model.upstream_api_key}"
         content = json.dumps(body).encode() if changed else raw
         affinity = prefix_key(body, self.config.routing.prefix_chars)
         try:

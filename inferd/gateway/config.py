@@ -42,6 +42,9 @@ class ModelConfig:
     upstreams: list[str] = field(default_factory=list)
     # The name the replicas know the model by (default: name).
     upstream_model: str | None = None
+    # Sent to the replicas as "Authorization: Bearer ..." (a hosted upstream's
+    # key); clients' own keys never travel upstream.
+    upstream_api_key: str | None = None
     # Extra environment of local replicas.
     env: dict[str, str] = field(default_factory=dict)
     # Local replicas only: how many run, between these bounds; 0 allows scale to zero.

@@ -161,7 +161,7 @@ def test_concurrent_requests_per_key_are_capped(gateway_factory, replicas, keys)
 def test_trace_context_and_request_id_reach_the_replica(gateway_factory):
     fake = FakeUpstream().start()
     try:
-        live = gateway_factory([smol([fake.url])], auth=AuthConfig(enabled=False))
+        live = gateway_factory([smol([fake.url], upstream_api_key="sk-upstream")], auth=AuthConfig(enabled=False))
         live.wait_ready("smol", 1)
         parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         res = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"},
@@ -169,7 +169,7 @@ def test_trace_context_and_request_id_reach_the_replica(gateway_factory):
         assert res.status_code == 200 and res.headers["x-request-id"] == "req-42"
         sent = fake.requests[-1]["headers"]
         assert sent["traceparent"] == parent and sent["x-request-id"] == "req-42"
-        assert "authorization" not in sent
+        assert sent["authorization"] == "Bearer sk-upstream"  # the upstream's key, not the client's
         # Without a traceparent the gateway starts a trace.
         httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"})
         assert fake.requests[-1]["headers"]["traceparent"].startswith("00-")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -44,10 +45,18 @@ def _event(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+# A choice that carries text: "text", "content" or "reasoning_content" with a
+# non-empty string value. Inside a JSON string a quote is escaped, so this
+# never matches text that merely contains these words.
+_TEXT_FIELD = re.compile(rb'"(?:text|content|reasoning_content)"\s*:\s*"(?!")')
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+
+
 class TokenTally:
-    """Completion tokens of an SSE stream as its events pass: one per event
-    that carries text (inferd sends a token per event), settled by the
-    ``usage`` event when the stream has one."""
+    """Completion tokens of an SSE stream as its events pass: one per choice
+    of an event that carries text (inferd sends a token per event), settled
+    by the ``usage`` event when the stream has one. Events are scanned as
+    bytes, not parsed: this runs for every event of every stream."""
 
     def __init__(self) -> None:
         self._buffer = b""
@@ -66,16 +75,14 @@ class TokenTally:
         for event in events:
             if not event.startswith(b"data: {"):
                 continue
-            try:
-                payload = json.loads(event[6:])
-            except ValueError:
-                continue
-            if isinstance(payload.get("usage"), dict):
-                self.usage = payload["usage"]
-            for choice in payload.get("choices") or ():
-                delta = choice.get("delta") or {}
-                if choice.get("text") or delta.get("content") or delta.get("reasoning_content"):
-                    self.counted += 1
+            if _USAGE_OBJECT.search(event):
+                try:
+                    usage = json.loads(event[6:]).get("usage")
+                except ValueError:
+                    usage = None
+                if isinstance(usage, dict):
+                    self.usage = usage
+            self.counted += len(_TEXT_FIELD.findall(event))
         return self.counted - before
 
 

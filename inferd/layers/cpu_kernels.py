@@ -43,7 +43,12 @@ logger = logging.getLogger(__name__)
 _KERNELS = Path(__file__).parent / "kernels"
 # -ffast-math lets the compiler reassociate the dot products and call
 # glibc's vector expf: the kernel's loops vectorize (it avoids infinities).
-_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked apart from compiling: GCC before 13 links crtfastmath.o into any
+# object built with -ffast-math, whose constructor turns on flush-to-zero
+# for the whole process that loads it (numpy and hypothesis then see no
+# subnormal floats). The link step gets no fast-math flag.
+_LINK_FLAGS = ("-shared", "-fopenmp")
 # The kernels' codes for activation dtypes and for weight kinds.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: packed int4
@@ -77,7 +82,8 @@ def _build(name: str, sources: list[Path]) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     key = hashlib.sha256(
-        b"".join(src.read_bytes() for src in (*sources, *_HEADERS)) + " ".join(_FLAGS).encode() + compiler.encode() + cpu_flags().encode()
+        b"".join(src.read_bytes() for src in (*sources, *_HEADERS))
+        + " ".join((*_FLAGS, *_LINK_FLAGS)).encode() + compiler.encode() + cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():
@@ -87,12 +93,13 @@ def _build(name: str, sources: list[Path]) -> Path:
     # never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), *map(str, sources), "-lm"],
-            capture_output=True, text=True, timeout=120, check=False,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        objects = [Path(tmp) / f"{src.stem}.o" for src in sources]
+        steps = [[compiler, *_FLAGS, "-c", "-o", str(obj), str(src)] for src, obj in zip(sources, objects)]
+        steps.append([compiler, *_LINK_FLAGS, "-o", str(built), *map(str, objects), "-lm"])
+        for step in steps:
+            result = subprocess.run(step, capture_output=True, text=True, timeout=120, check=False)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)
     return target
 

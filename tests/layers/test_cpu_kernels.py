@@ -84,3 +84,16 @@ def test_bad_arguments_are_value_errors(change, message):
     ) | change
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(**args, scale=0.25)
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    # A library built with -ffast-math by GCC < 13 would switch the whole
+    # process to flush-to-zero when loaded.
+    import numpy as np
+
+    from inferd.layers import cpu_kernels
+
+    assert cpu_kernels.kernels_available()
+    tiny = np.array([1e-38], dtype=np.float32)
+    assert (tiny / np.float32(1000))[0] > 0
+    assert float(torch.tensor([1e-38]) / 1000) > 0

@@ -169,13 +169,17 @@ class ReplicaPool:
             return
         interval = _TICK_S if replica.state == "starting" else self.health.interval_s
         self._next_check[replica.id] = now + interval
+        timed_out = False
         try:
             res = await self.client.get(replica.url + self.model.health_path, timeout=self.health.timeout_s)
             ok = res.status_code == 200
+        except httpx.TimeoutException:
+            ok, timed_out = False, True
         except httpx.HTTPError:
             ok = False
         now = self.clock()
         if ok:
+            replica.failed_checks = 0
             if replica.state == "starting" and replica.process is not None:
                 self.metrics.startup.labels(self.model.name).observe(now - replica.started_at)
                 logger.info("replica %s ready at %s after %.1fs", replica.id, replica.url, now - replica.started_at)
@@ -192,11 +196,15 @@ class ReplicaPool:
                 logger.error("replica %s not healthy after %.0fs: stopping it", replica.id, self.model.startup_timeout_s)
                 self._retire(replica)
             return
-        if replica.state == "ready":
-            logger.warning("replica %s failed its health check", replica.id)
+        replica.failed_checks += 1
+        # A refused connection or a "not ready" answer counts at once; a slow
+        # answer (a replica busy on a small machine) only when it keeps happening.
+        if replica.state == "ready" and (not timed_out or replica.failed_checks >= self.health.failure_threshold):
+            logger.warning("replica %s failed its health check (%s)", replica.id, "timeout" if timed_out else "refused or not ready")
             replica.state = "unhealthy"
             self._changed.set()
-        replica.failed(now, self.health)
+        if not timed_out:
+            replica.failed(now, self.health)
 
     async def _read_queue(self, replica: Replica) -> None:
         try:
@@ -225,8 +233,9 @@ class ReplicaPool:
         if len(live) < m.min_replicas:
             self._spawn(f"below min_replicas={m.min_replicas}")
             return
-        busy = sum(r.in_flight for r in ready) + self.waiting
-        if ready and busy / len(ready) > m.target_concurrency and len(live) < m.max_replicas and not starting:
+        serving = [r for r in live if r.state in ("ready", "unhealthy")]
+        busy = sum(r.in_flight for r in serving) + self.waiting
+        if ready and busy / len(serving) > m.target_concurrency and len(live) < m.max_replicas and not starting:
             if self._high_since is None:
                 self._high_since = now
             elif now - self._high_since >= m.scale_up_after_s:
@@ -234,7 +243,8 @@ class ReplicaPool:
                 self._spawn(f"{busy / len(ready):.1f} in flight per replica > target {m.target_concurrency}")
             return
         self._high_since = None
-        if len(live) > m.min_replicas and not self.waiting:
+        # Not while one starts: it was started for load that may come back.
+        if len(live) > m.min_replicas and not self.waiting and not starting:
             idle = [r for r in ready if r.idle_for(now) >= m.idle_timeout_s]
             if idle:
                 replica = min(idle, key=lambda r: r.last_active)

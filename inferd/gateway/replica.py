@@ -38,6 +38,7 @@ class Replica:
     upstream_load: int = 0
     last_active: float = 0.0
     consecutive_failures: int = 0
+    failed_checks: int = 0  # consecutive failed health checks
     open_until: float | None = None
     trial_in_flight: bool = False
     served: int = 0

@@ -49,14 +49,18 @@ def test_scale_from_zero_up_under_load_then_back_to_zero_after_idle(gateway_fact
             return [r.status_code for r in await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))]
 
     assert asyncio.run(load()) == [200] * 6
-    live.wait_ready("smol", 2, timeout=120)
     metrics = httpx.get(f"{live.url}/metrics").text
     assert 'inferd_gateway:scaling_events_total{direction="up",model="smol"} 2.0' in metrics
-
     processes = [r.process for r in pool.replicas]
-    deadline = time.monotonic() + 60
-    while pool.replicas and time.monotonic() < deadline:
+    assert len(processes) == 2
+    # The second replica comes up (nothing scales down while it starts), then both idle out.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{live.url}/metrics").text
+        if _metric(metrics, "inferd_gateway:replica_startup_seconds_count") == 2 and not pool.replicas:
+            break
         time.sleep(0.1)
+    assert _metric(metrics, "inferd_gateway:replica_startup_seconds_count") == 2
     assert pool.replicas == [] and all(p.returncode is not None for p in processes)
     metrics = httpx.get(f"{live.url}/metrics").text
     assert 'inferd_gateway:scaling_events_total{direction="down",model="smol"} 2.0' in metrics

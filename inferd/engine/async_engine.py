@@ -47,6 +47,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     done: Future  # resolves to None, or raises the engine's ValueError
+    priority: int = 0
 
 
 @dataclass
@@ -150,7 +151,7 @@ class AsyncLLMEngine:
     # Requests ---------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Queues a request; returns its output stream once the engine has
         accepted it. Raises the engine's ``ValueError`` for a bad request and
@@ -162,7 +163,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         done: Future = Future()
         self._adds_sent += 1
-        self._inbox.put(_Add(request_id, prompt, params, time.time(), done))
+        self._inbox.put(_Add(request_id, prompt, params, time.time(), done, priority))
         if self.dead_error is not None and not done.done():  # died as we sent it
             done.set_exception(self._dead())
         try:
@@ -263,7 +264,7 @@ class AsyncLLMEngine:
                 self.engine.abort_request(cmd.request_id)
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority)
             except Exception as e:  # noqa: BLE001 - a bad request goes back to its caller
                 cmd.done.set_exception(e)
             else:

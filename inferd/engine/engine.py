@@ -143,9 +143,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. Raises ValueError, leaving the engine untouched,
-        when the request is invalid or can never fit."""
+        when the request is invalid or can never fit. A lower ``priority``
+        is admitted first and preempted last (0: interactive, 1: batch)."""
         params = params or SamplingParams()
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -160,7 +162,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params if params.n == 1 else params.child(i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            child = Request(child_id, ids, child_params, self.tokenizer.eos_token_ids, arrival)
+            child = Request(child_id, ids, child_params, self.tokenizer.eos_token_ids, arrival, priority)
             child.max_tokens = max_tokens
             children.append(child)
         state = RequestState(

@@ -50,8 +50,11 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Lower runs first: 0 interactive, 1 batch work (see WaitingQueue).
+        self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         # Empty when the request ignores EOS.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from inferd.engine.kv_cache import KVCacheManager
@@ -50,11 +50,59 @@ class SchedulerConfig:
             )
 
 
+class WaitingQueue:
+    """Requests waiting for admission: by priority (lower first), then in
+    arrival order; a preempted request goes back to the front of its level.
+    The deque operations the scheduler uses, over one deque per level."""
+
+    def __init__(self) -> None:
+        self._levels: dict[int, deque[Request]] = {}
+
+    def _level(self, priority: int) -> deque[Request]:
+        if priority not in self._levels:
+            self._levels[priority] = deque()
+            self._levels = dict(sorted(self._levels.items()))
+        return self._levels[priority]
+
+    def append(self, request: Request) -> None:
+        self._level(request.priority).append(request)
+
+    def appendleft(self, request: Request) -> None:
+        self._level(request.priority).appendleft(request)
+
+    def _first_level(self) -> deque[Request]:
+        for level in self._levels.values():
+            if level:
+                return level
+        raise IndexError("no request is waiting")
+
+    def __getitem__(self, index: int) -> Request:
+        if index != 0:
+            raise IndexError("only the head of the queue can be read")
+        return self._first_level()[0]
+
+    def popleft(self) -> Request:
+        return self._first_level().popleft()
+
+    def remove(self, request: Request) -> None:
+        self._levels[request.priority].remove(request)
+
+    def __len__(self) -> int:
+        return sum(len(level) for level in self._levels.values())
+
+    def __bool__(self) -> bool:
+        return any(self._levels.values())
+
+    def __iter__(self) -> Iterator[Request]:
+        for level in self._levels.values():
+            yield from level
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Prompt tokens looked up in the prefix cache at admission, and found.
@@ -123,7 +171,7 @@ class Scheduler:
             while self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             ) is None:
-                victim = self.running.pop()
+                victim = self._victim()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -164,6 +212,13 @@ class Scheduler:
             block_ids=self.kv_cache.block_ids(request.request_id),
             spec_token_ids=spec or [],
         )
+
+    def _victim(self) -> Request:
+        """The request to preempt: the most recently admitted of the lowest
+        priority (with one priority, simply the last admitted)."""
+        lowest = max(r.priority for r in self.running)
+        i = max(i for i, r in enumerate(self.running) if r.priority == lowest)
+        return self.running.pop(i)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)

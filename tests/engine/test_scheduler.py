@@ -156,3 +156,47 @@ def test_config_validation_names_the_field():
         SchedulerConfig(max_model_len=8, max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         SchedulerConfig(max_model_len=8, max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def _prio(rid, prompt_len, priority, max_tokens=8):
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), priority=priority)
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    s = make(max_num_seqs=1, budget=64)
+    for r in (_prio("batch1", 4, 1), _prio("batch2", 4, 1), _prio("chat1", 4, 0), _prio("chat2", 4, 0)):
+        s.add_request(r)
+    assert [r.request_id for r in s.waiting] == ["chat1", "chat2", "batch1", "batch2"]
+    assert s.num_waiting == 4
+    assert plan(step(s)) == [("chat1", 0, 4, [0])]
+
+
+def test_preemption_takes_the_lowest_priority_first():
+    # 4 blocks of 4 tokens: three 4-token prompts fill three; growing needs more.
+    s = make(num_blocks=4, block_size=4, max_num_seqs=3, budget=64)
+    batch, chat_a, chat_b = _prio("batch", 4, 1), _prio("chat_a", 4, 0), _prio("chat_b", 4, 0)
+    for r in (chat_a, batch, chat_b):
+        s.add_request(r)
+    step(s)  # all three prefilled: blocks 0, 1, 2
+    out = step(s)  # each decode needs a second block; one is free, so one is preempted
+    assert out.preempted_ids == ["batch"]
+    assert batch.status is RequestStatus.PREEMPTED
+    assert [r.request_id for r in s.waiting] == ["batch"]
+
+
+def test_waiting_queue_front_insert_and_remove_by_level():
+    from inferd.engine.scheduler import WaitingQueue
+
+    q = WaitingQueue()
+    a, b, c = _prio("a", 1, 1), _prio("b", 1, 0), _prio("c", 1, 1)
+    q.append(a)
+    q.append(b)
+    q.appendleft(c)  # a preempted batch request: front of its level, behind interactive
+    assert [r.request_id for r in q] == ["b", "c", "a"]
+    assert q[0] is b and q.popleft() is b
+    q.remove(a)
+    assert [r.request_id for r in q] == ["c"] and len(q) == 1 and bool(q)
+    q.popleft()
+    assert not q
+    with pytest.raises(IndexError):
+        q.popleft()

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP collector URL for traces and GenAI metrics, e.g. http://127.0.0.1:4318 (default: off)")
     g.add_argument("--log-format", default="plain", choices=["plain", "json"])
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--data-dir", default=None, help="the Batch API's files and jobs (default: $INFERD_HOME, else ~/.inferd)")
+    g.add_argument("--max-file-bytes", type=int, default=200 * 1024 * 1024, help="larger uploads to /v1/files get 413 (default: 200 MiB)")
     _engine_args(serve)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal")
@@ -104,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server and report latency and throughput")
     _bench_args(bench)
+
+    batch = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline, resumably")
+    batch.add_argument("input", metavar="IN.jsonl", help="one request per line: custom_id, method, url, body")
+    batch.add_argument("output", metavar="OUT.jsonl", help="results, appended as they finish; rerun to resume")
+    batch.add_argument("--errors", default=None, metavar="FILE", help="failed and invalid lines (default: OUT.errors.jsonl)")
+    batch.add_argument("--max-in-flight", type=int, default=None, help="requests in the engine at once (default: 2 x --max-num-seqs)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _engine_args(batch)
 
     gateway = sub.add_parser("gateway", help="run the edge: API keys, rate limits, routing, replicas")
     gateway.add_argument("-c", "--config", required=True, help="the gateway's YAML file (see examples/gateway.yaml)")
@@ -171,6 +181,8 @@ def _server_config(a: argparse.Namespace) -> ServerConfig:
         otlp_endpoint=a.otlp_endpoint,
         log_format=a.log_format,
         log_level="debug" if a.verbose else a.log_level,
+        data_dir=a.data_dir,
+        max_file_bytes=a.max_file_bytes,
     )
 
 
@@ -180,6 +192,10 @@ def parse_config(argv: list[str] | None = None) -> GenerateConfig | ChatConfig |
         return a
     if a.command == "serve":
         return _server_config(a)
+    if a.command == "batch":
+        from inferd.batch.config import BatchJobConfig
+
+        return BatchJobConfig(a.input, a.output, _engine_config(a), a.errors, a.max_in_flight, not a.no_progress)
     if a.command == "gateway":
         from inferd.gateway.config import load_config
 
@@ -266,16 +282,21 @@ def main(argv: list[str] | None = None) -> int:
             from inferd.gateway.launcher import run_gateway
 
             return run_gateway(cfg.config, cfg.log_format, cfg.log_level)
-        from inferd.server.config import ServerConfig
-
-        if isinstance(cfg, ServerConfig):
-            from inferd.server.launcher import serve
-
-            return serve(cfg)
         if isinstance(cfg, BenchConfig):
             from inferd.bench.main import run
 
             return run(cfg)
+        from inferd.batch.config import BatchJobConfig
+        from inferd.server.config import ServerConfig
+
+        if isinstance(cfg, BatchJobConfig):
+            from inferd.batch.offline import run_batch
+
+            return run_batch(cfg)
+        if isinstance(cfg, ServerConfig):
+            from inferd.server.launcher import serve
+
+            return serve(cfg)
         if isinstance(cfg, GenerateConfig):
             run_generate(cfg)
         else:

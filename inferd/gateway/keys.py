@@ -15,13 +15,13 @@ import json
 import os
 import secrets
 import sqlite3
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+
+from inferd.sqlite_db import Database
 
 KEY_PREFIX = "sk-"
 ID_LEN = 12
@@ -162,45 +162,11 @@ class KeyStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: transactions are explicit (_tx), so a
-        # check-then-insert runs under one write lock even across processes
-        # (the CLI and a running gateway share the file).
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
-        # The connection may be handed between threads; the lock keeps two
-        # from interleaving statements on it.
-        self._lock = threading.Lock()
-        try:
-            # WAL: the gateway's reads do not wait on the CLI's writes. synchronous
-            # stays FULL: a revoke lost to a power cut would re-enable a key.
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            with self._tx():
-                version = self._db.execute("PRAGMA user_version").fetchone()[0]
-                if version == 0:
-                    for stmt in _SCHEMA:
-                        self._db.execute(stmt)
-                    self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                elif version != SCHEMA_VERSION:
-                    raise ValueError(f"{self.path}: schema version {version}, this inferd reads version {SCHEMA_VERSION}")
-        except BaseException:
-            self._db.close()
-            raise
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-
-    def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
+        # The CLI and a running gateway share the file (see Database).
+        # synchronous stays FULL: a revoke lost to a power cut would re-enable a key.
+        self._db = Database(self.path, _SCHEMA, SCHEMA_VERSION, synchronous="FULL", foreign_keys=True)
+        self._tx = self._db.tx
+        self._query = self._db.query
 
     def create(
         self,
@@ -324,5 +290,4 @@ class KeyStore:
         return {"requests": requests, "prompt_tokens": prompt, "completion_tokens": completion, "last_used_at": last}
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()

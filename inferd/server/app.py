@@ -28,8 +28,8 @@ from inferd.obs.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from inferd.obs.metrics import ServerMetrics
 from inferd.obs.tracing import RequestTracer, otlp_tracer
 from inferd.server import errors
+from inferd.server.batch_routes import BatchAPI, UploadBodyLimit, batch_router
 from inferd.server.errors import APIError
-from inferd.server.middleware import RequestContextMiddleware
 from inferd.server.config import ServerConfig
 from inferd.server.protocol import (
     ChatCompletionChunk,
@@ -72,6 +72,7 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        self.batch = BatchAPI(config)
 
     @property
     def ready(self) -> bool:
@@ -112,6 +113,7 @@ class ServerState:
             is_draining=lambda: self.draining,
             tracer=self.tracer,
         )
+        self.batch.attach(self.serving, engine.config.max_num_seqs)
         logger.info("serving %s as %r", engine.model_path, name)
 
     def require(self) -> OpenAIServing:
@@ -174,6 +176,7 @@ def create_app(
 
             threading.Thread(target=load, name="inferd-load", daemon=True).start()
         yield
+        await state.batch.close()  # before the engine: lines in flight are aborted, run again after a restart
         if state.engine is not None:
             state.engine.shutdown()
         if state.tracer is not None:
@@ -181,7 +184,7 @@ def create_app(
 
     app = FastAPI(title="inferd", version=inferd.__version__, lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(UploadBodyLimit, max_body_bytes=config.max_body_bytes, max_file_bytes=config.max_file_bytes)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
     app.add_exception_handler(APIError, errors.api_error_handler)
@@ -254,6 +257,8 @@ def create_app(
         if bad is not None:
             raise errors.bad_request(f"tokens must be in [0, {vocab}), got {bad}", param="tokens")
         return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    app.include_router(batch_router(state.batch))
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> JSONResponse:

@@ -25,11 +25,15 @@ class ServerConfig:
     otlp_endpoint: str | None = None
     log_format: str = "plain"  # or "json"
     log_level: str = "info"
+    # The Batch API's files and jobs (<data_dir>/batch); None: $INFERD_HOME, else ~/.inferd.
+    data_dir: str | None = None
+    # Larger uploads to POST /v1/files get 413 (OpenAI's limit: 200 MB).
+    max_file_bytes: int = 200 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.log_format not in ("plain", "json"):
             raise ValueError(f"log_format must be plain or json, got {self.log_format!r}")
-        for name in ("max_body_bytes", "max_waiting_requests"):
+        for name in ("max_body_bytes", "max_waiting_requests", "max_file_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

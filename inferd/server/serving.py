@@ -120,7 +120,7 @@ class OpenAIServing:
             raise errors.from_value_error(e, _SAMPLING_FIELDS) from None
 
     async def _submit(
-        self, job: _Job, prompts: list[str | list[int]], params: SamplingParams, param_name: str
+        self, job: _Job, prompts: list[str | list[int]], params: SamplingParams, param_name: str, priority: int = 0
     ) -> None:
         """One engine request per prompt; on failure the caller's ``_end``
         aborts those already added."""
@@ -130,7 +130,7 @@ class OpenAIServing:
                 # Two HTTP requests may carry the same X-Request-Id.
                 if self.engine.has_request(engine_id):
                     engine_id = f"{engine_id}-{random_id('r')}"
-                job.streams.append(await self.engine.add_request(engine_id, prompt, params))
+                job.streams.append(await self.engine.add_request(engine_id, prompt, params, priority))
                 job.engine_ids.append(engine_id)
         except ContextLengthError as e:
             raise errors.bad_request(str(e), param=param_name, code="context_length_exceeded") from None
@@ -176,7 +176,7 @@ class OpenAIServing:
     # Completions ------------------------------------------------------------------
 
     async def create_completion(
-        self, request: CompletionRequest, http_id: str, headers: Mapping[str, str] | None = None
+        self, request: CompletionRequest, http_id: str, headers: Mapping[str, str] | None = None, priority: int = 0
     ) -> dict | EventStream:
         self.check_model(request.model)
         self._check_response_format(request)
@@ -199,7 +199,7 @@ class OpenAIServing:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             stream = self._completion_stream(job, request, include_usage)
-        result = await self._run(job, self._submit(job, prompts, params, "prompt"), stream)
+        result = await self._run(job, self._submit(job, prompts, params, "prompt", priority), stream)
         if isinstance(result, EventStream):
             return result
         finals = result
@@ -288,7 +288,7 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest, http_id: str, headers: Mapping[str, str] | None = None
+        self, request: ChatCompletionRequest, http_id: str, headers: Mapping[str, str] | None = None, priority: int = 0
     ) -> dict | EventStream:
         self.check_model(request.model)
         self._check_response_format(request)
@@ -307,7 +307,7 @@ class OpenAIServing:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             stream = self._chat_stream(job, request, include_usage)
-        result = await self._run(job, self._submit(job, [prompt_ids], params, "messages"), stream)
+        result = await self._run(job, self._submit(job, [prompt_ids], params, "messages", priority), stream)
         if isinstance(result, EventStream):
             return result
         (final,) = result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -70,6 +71,8 @@ def engine_config(**overrides) -> EngineConfig:
 
 
 def live_server(engine: LLMEngine, **server_overrides) -> LiveServer:
+    # Its own data directory, so no test resumes batch jobs left in ~/.inferd.
+    server_overrides.setdefault("data_dir", tempfile.mkdtemp(prefix="inferd-test-"))
     app = create_app(ServerConfig(**server_overrides), engine=engine)
     return LiveServer(app, engine).start()
 

@@ -1,0 +1,1 @@
+"""Batch inference: the OpenAI batch file format, offline (``inferd batch``) and online (the Batch API)."""

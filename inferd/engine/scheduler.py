@@ -157,10 +157,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         now = time.time()
 
+        # Lower-priority requests pause (keep their blocks, take no tokens)
+        # while a higher-priority one runs: batch work steps aside for
+        # interactive requests instead of slowing every step they share.
+        top = min((r.priority for r in self.running), default=0)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            behind = len(self.running) - i - 1
+            if request.priority > top:
+                i += 1
+                continue
+            behind = sum(1 for r in self.running[i + 1 :] if r.priority <= top)
             room = max(1, budget - behind)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, room)
@@ -171,7 +178,10 @@ class Scheduler:
             while self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             ) is None:
-                victim = self._victim()
+                at = self._victim(i, top)
+                victim = self.running.pop(at)
+                if at < i:  # a paused request before this one
+                    i -= 1
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -213,12 +223,13 @@ class Scheduler:
             spec_token_ids=spec or [],
         )
 
-    def _victim(self) -> Request:
-        """The request to preempt: the most recently admitted of the lowest
-        priority (with one priority, simply the last admitted)."""
-        lowest = max(r.priority for r in self.running)
-        i = max(i for i, r in enumerate(self.running) if r.priority == lowest)
-        return self.running.pop(i)
+    def _victim(self, current: int, top: int) -> int:
+        """Where in ``running`` the request to preempt is, when the one at
+        ``current`` cannot grow: of those not scheduled yet this step (from
+        ``current`` on, and the paused ones), the lowest priority, and of
+        those the most recently admitted (with one priority: the last one)."""
+        candidates = [j for j, r in enumerate(self.running) if j >= current or r.priority > top]
+        return max(candidates, key=lambda j: (self.running[j].priority, j))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)

@@ -200,3 +200,19 @@ def test_waiting_queue_front_insert_and_remove_by_level():
     assert not q
     with pytest.raises(IndexError):
         q.popleft()
+
+
+def test_lower_priority_requests_pause_while_a_higher_one_runs():
+    s = make(budget=64, max_num_seqs=4)
+    batch = _prio("batch", 4, 1)
+    s.add_request(batch)
+    assert plan(step(s)) == [("batch", 0, 4, [0])]
+    chat = _prio("chat", 4, 0, max_tokens=2)
+    s.add_request(chat)
+    # Only batch ran when the step began: it decodes, and chat is admitted beside it.
+    assert plan(step(s)) == [("batch", 4, 1, [0, 1]), ("chat", 0, 4, [2])]
+    # chat runs: batch keeps its blocks but takes no tokens until chat is done.
+    assert plan(step(s)) == [("chat", 4, 1, [2, 3])]
+    assert batch.num_computed_tokens == 5 and s.kv_cache.block_ids("batch") == [0, 1]
+    s.finish_request(chat, RequestStatus.FINISHED_STOPPED)
+    assert plan(step(s)) == [("batch", 5, 1, [0, 1])]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,10 +25,16 @@ def run_batch(config: BatchJobConfig) -> int:
             print(f"resuming: {left.answered} of {left.total} requests already answered", file=sys.stderr)
         if left.todo:
             try:
-                asyncio.run(_run(config, left.todo, out, errors, left.total, left.answered + len(left.invalid)))
+                progress = asyncio.run(_run(config, left.todo, out, errors, left.total, left.answered + len(left.invalid)))
             except KeyboardInterrupt:
                 print("\ninterrupted: rerun the same command to resume", file=sys.stderr)
                 return 130
+            elapsed = time.monotonic() - progress.started
+            print(
+                f"{progress.completion_tokens} output tokens in {elapsed:.1f}s after the model loaded "
+                f"({progress.tokens_per_s:.1f} tok/s)",
+                file=sys.stderr,
+            )
         print(
             f"{left.total} requests: {len(out.entries)} answered in {config.output}, "
             f"{len(errors.entries)} errors in {config.errors}",

@@ -194,6 +194,8 @@ class Scheduler:
         if not out.preempted_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                if self.running and request.priority > min(r.priority for r in self.running):
+                    break  # it would only pause; the queue is in priority order
                 if not self.kv_cache.has(request.request_id):
                     request.num_computed_tokens = self.kv_cache.get_computed_blocks(
                         request.request_id, request.all_token_ids

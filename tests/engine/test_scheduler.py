@@ -172,16 +172,20 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival():
 
 
 def test_preemption_takes_the_lowest_priority_first():
-    # 4 blocks of 4 tokens: three 4-token prompts fill three; growing needs more.
+    # 4 blocks of 4 tokens.
     s = make(num_blocks=4, block_size=4, max_num_seqs=3, budget=64)
     batch, chat_a, chat_b = _prio("batch", 4, 1), _prio("chat_a", 4, 0), _prio("chat_b", 4, 0)
-    for r in (chat_a, batch, chat_b):
-        s.add_request(r)
-    step(s)  # all three prefilled: blocks 0, 1, 2
-    out = step(s)  # each decode needs a second block; one is free, so one is preempted
+    s.add_request(batch)
+    step(s)  # batch prefilled: block 0
+    s.add_request(chat_a)
+    s.add_request(chat_b)
+    assert plan(step(s)) == [("batch", 4, 1, [0, 1]), ("chat_a", 0, 4, [2]), ("chat_b", 0, 4, [3])]
+    # The chats grow into a full pool: batch (paused, lowest priority) gives its blocks back.
+    out = step(s)
     assert out.preempted_ids == ["batch"]
-    assert batch.status is RequestStatus.PREEMPTED
+    assert batch.status is RequestStatus.PREEMPTED and batch.num_computed_tokens == 0
     assert [r.request_id for r in s.waiting] == ["batch"]
+    assert plan(out) == [("chat_a", 4, 1, [2, 1]), ("chat_b", 4, 1, [3, 0])]
 
 
 def test_waiting_queue_front_insert_and_remove_by_level():
@@ -216,3 +220,15 @@ def test_lower_priority_requests_pause_while_a_higher_one_runs():
     assert batch.num_computed_tokens == 5 and s.kv_cache.block_ids("batch") == [0, 1]
     s.finish_request(chat, RequestStatus.FINISHED_STOPPED)
     assert plan(step(s)) == [("batch", 5, 1, [0, 1])]
+
+
+def test_lower_priority_requests_wait_for_admission_while_a_higher_one_runs():
+    s = make(budget=64, max_num_seqs=4)
+    chat = _prio("chat", 4, 0, max_tokens=2)
+    s.add_request(chat)
+    step(s)
+    s.add_request(_prio("batch", 4, 1))
+    assert plan(step(s)) == [("chat", 4, 1, [0, 1])]
+    assert [r.request_id for r in s.waiting] == ["batch"]
+    s.finish_request(chat, RequestStatus.FINISHED_STOPPED)
+    assert plan(step(s)) == [("batch", 0, 4, [1])]

@@ -50,6 +50,10 @@ class SchedulerConfig:
             )
 
 
+# Lower-priority (batch) requests take at most 1/LOW_PRIORITY_SHARE of a step's token budget.
+LOW_PRIORITY_SHARE = 4
+
+
 class WaitingQueue:
     """Requests waiting for admission: by priority (lower first), then in
     arrival order; a preempted request goes back to the front of its level.
@@ -161,6 +165,9 @@ class Scheduler:
         # while a higher-priority one runs: batch work steps aside for
         # interactive requests instead of slowing every step they share.
         top = min((r.priority for r in self.running), default=0)
+        # Batch work (priority > 0) gets a share of the step's tokens, so a
+        # step stays short and an interactive arrival waits less for the next.
+        low_budget = max(1, budget // LOW_PRIORITY_SHARE)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -169,6 +176,8 @@ class Scheduler:
                 continue
             behind = sum(1 for r in self.running[i + 1 :] if r.priority <= top)
             room = max(1, budget - behind)
+            if request.priority > 0:
+                room = max(1, min(room, low_budget - sum(1 for r in self.running[i + 1 :] if r.priority > 0)))
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, room)
             # Draft tokens ride along with a decode, as far as the budget goes.
@@ -189,6 +198,8 @@ class Scheduler:
             else:
                 out.scheduled.append(self._scheduled(request, num_new, spec))
                 budget -= num_new
+                if request.priority > 0:
+                    low_budget -= num_new
                 i += 1
 
         if not out.preempted_ids:
@@ -201,6 +212,10 @@ class Scheduler:
                         request.request_id, request.all_token_ids
                     )
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if request.priority > 0:
+                    if low_budget <= 0:
+                        break
+                    num_new = min(num_new, low_budget)
                 if self.kv_cache.allocate_slots(
                     request.request_id, request.num_computed_tokens + num_new
                 ) is None:
@@ -214,6 +229,8 @@ class Scheduler:
                 self.running.append(request)
                 out.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
+                if request.priority > 0:
+                    low_budget -= num_new
         return out
 
     def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:

@@ -232,3 +232,14 @@ def test_lower_priority_requests_wait_for_admission_while_a_higher_one_runs():
     assert [r.request_id for r in s.waiting] == ["batch"]
     s.finish_request(chat, RequestStatus.FINISHED_STOPPED)
     assert plan(step(s)) == [("batch", 0, 4, [1])]
+
+
+def test_lower_priority_work_takes_a_quarter_of_the_step_budget():
+    s = make(num_blocks=32, budget=64, max_num_seqs=4)
+    s.add_request(_prio("batch", 40, 1))
+    assert plan(step(s)) == [("batch", 0, 16, [0, 1, 2, 3])]
+    assert plan(step(s)) == [("batch", 16, 16, [0, 1, 2, 3, 4, 5, 6, 7])]
+    s.add_request(Request("chat", list(range(100, 140)), SamplingParams(max_tokens=8)))
+    # Interactive work is not held to the share: it takes its 40 at once.
+    assert plan(step(s)) == [("batch", 32, 8, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
+                             ("chat", 0, 40, [10, 11, 12, 13, 14, 15, 16, 17, 18, 19])]

@@ -39,6 +39,8 @@ bench: setup
 	$(PY) benchmarks/quant_kernels.py
 	$(PY) benchmarks/concurrency32.py
 	$(PY) benchmarks/cold_start.py
+	$(PY) benchmarks/gateway_overhead.py
+	$(PY) benchmarks/batch_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -47,7 +47,6 @@ def test_no_generated_request_gets_a_5xx(fuzzed_gateway):
             case.call_and_validate(base_url=live.url, headers=headers, checks=[not_a_server_error], timeout=120)
 
         fuzz()
-    # Some generated requests were valid and went all the way to a replica.
-    served = live.gateway.metrics.requests
-    assert served.labels("smol", "chat", "200")._value.get() > 0
-    assert served.labels("smol", "completions", "200")._value.get() > 0
+    # Some generated requests passed the edge and went all the way to a replica.
+    forwarded = live.gateway.metrics.first_byte.labels("smol")
+    assert sum(bucket.get() for bucket in forwarded._buckets) > 0

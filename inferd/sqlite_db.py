@@ -5,11 +5,19 @@ even across processes), and a schema version in ``user_version``."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where inferd keeps its state (keys, batch files and jobs): $INFERD_HOME,
+    default ~/.inferd (read at call time, never at import)."""
+    home = (os.environ if env is None else env).get("INFERD_HOME")
+    return Path(home or "~/.inferd").expanduser()
 
 
 class Database:

@@ -16,17 +16,16 @@ Pure data: no FastAPI, no engine.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
 from inferd.batch.upload import copy_batch_input
-from inferd.sqlite_db import Database
+from inferd.sqlite_db import Database, default_data_dir  # noqa: F401 - default_data_dir re-exported
 
 SCHEMA_VERSION = 1
 COMPLETION_WINDOW_S = 24 * 3600
@@ -57,12 +56,6 @@ _SCHEMA = (
         metadata TEXT, errors TEXT)""",
     "CREATE INDEX batches_status ON batches (status, seq)",
 )
-
-
-def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
-    """$INFERD_HOME, default ~/.inferd (read at call time, never at import)."""
-    home = (os.environ if env is None else env).get("INFERD_HOME")
-    return Path(home or "~/.inferd").expanduser()
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,15 @@ import base64
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from inferd.sqlite_db import Database
+from inferd.sqlite_db import Database, default_data_dir  # noqa: F401 - default_data_dir re-exported
 
 KEY_PREFIX = "sk-"
 ID_LEN = 12
@@ -33,12 +32,6 @@ _HEX = frozenset("0123456789abcdef")
 # same hash-and-compare as a wrong secret.
 _DUMMY_HASH = hashlib.sha256(b"inferd: no such key").hexdigest()
 AUTH_REASONS = ("missing", "invalid", "revoked", "expired")
-
-
-def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
-    """$INFERD_HOME, default ~/.inferd (read at call time, never at import)."""
-    home = (os.environ if env is None else env).get("INFERD_HOME")
-    return Path(home or "~/.inferd").expanduser()
 
 
 def iso_utc(ts: float) -> str:

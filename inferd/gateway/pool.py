@@ -34,7 +34,7 @@ import httpx
 
 from inferd.gateway.config import PORT_PLACEHOLDER, HealthConfig, ModelConfig
 from inferd.gateway.metrics import GatewayMetrics
-from inferd.gateway.replica import Replica
+from inferd.gateway.replica import STATES, Replica
 
 logger = logging.getLogger("inferd.gateway")
 
@@ -325,7 +325,7 @@ class ReplicaPool:
             await asyncio.gather(*list(self._stopping), return_exceptions=True)
 
     def counts(self) -> dict[str, int]:
-        out = dict.fromkeys(("starting", "ready", "unhealthy", "stopping"), 0)
+        out = dict.fromkeys(STATES, 0)
         for r in self.replicas:
             out[r.state] += 1
         return out

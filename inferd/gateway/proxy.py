@@ -206,7 +206,7 @@ class Proxy:
             passed.update(req.response_headers)
             passed["x-inferd-replica"] = replica.id
             if req.stream and upstream.status_code == 200:
-                relay = self._relay(pool, replica, upstream, first, chunks, req, outcome)
+                relay = _Relay(self, pool, replica, upstream, first, chunks, req, outcome)
                 released, upstream = True, None  # the relay owns both now
                 return RelayResponse(relay, status_code=200, headers=passed)
             try:
@@ -244,10 +244,6 @@ class Proxy:
             on_tokens(outcome.completion_tokens)
         if isinstance(usage.get("prompt_tokens"), int):
             outcome.prompt_tokens = usage["prompt_tokens"]
-
-    def _relay(self, pool: ReplicaPool, replica: Replica, upstream: httpx.Response, first: bytes,
-               chunks: AsyncIterator[bytes], req: _Request, outcome: Outcome) -> _Relay:
-        return _Relay(self, pool, replica, upstream, first, chunks, req, outcome)
 
 
 class _Relay:

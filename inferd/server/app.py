@@ -28,9 +28,10 @@ from inferd.obs.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from inferd.obs.metrics import ServerMetrics
 from inferd.obs.tracing import RequestTracer, otlp_tracer
 from inferd.server import errors
-from inferd.server.batch_routes import BatchAPI, UploadBodyLimit, batch_router
+from inferd.server.batch_routes import BatchAPI, batch_router, upload_limits
 from inferd.server.errors import APIError
 from inferd.server.config import ServerConfig
+from inferd.server.middleware import RequestContextMiddleware
 from inferd.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -184,7 +185,11 @@ def create_app(
 
     app = FastAPI(title="inferd", version=inferd.__version__, lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(UploadBodyLimit, max_body_bytes=config.max_body_bytes, max_file_bytes=config.max_file_bytes)
+    app.add_middleware(
+        RequestContextMiddleware,
+        max_body_bytes=config.max_body_bytes,
+        upload_limits=upload_limits(config.max_body_bytes, config.max_file_bytes),
+    )
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
     app.add_exception_handler(APIError, errors.api_error_handler)

@@ -14,7 +14,6 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from inferd.batch.store import BatchRecord, BatchStore, default_data_dir
 from inferd.batch.upload import FileTooLarge, InvalidFile
@@ -23,7 +22,6 @@ from inferd.server import errors
 from inferd.server.batch_protocol import BatchList, BatchObject, CreateBatchRequest, FileDeleted, FileList, FileObject
 from inferd.server.config import ServerConfig
 from inferd.server.errors import APIError
-from inferd.server.middleware import RequestContextMiddleware
 from inferd.server.protocol import ErrorResponse
 from inferd.server.serving import OpenAIServing
 
@@ -205,15 +203,8 @@ def batch_router(api: BatchAPI) -> APIRouter:
     return router
 
 
-class UploadBodyLimit:
-    """``RequestContextMiddleware`` with ``max_file_bytes`` (plus the
-    multipart framing) as the body limit of ``POST /v1/files``, and the
-    server's ``max_body_bytes`` everywhere else."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int, max_file_bytes: int) -> None:
-        self.default = RequestContextMiddleware(app, max_body_bytes)
-        self.upload = RequestContextMiddleware(app, max(max_body_bytes, max_file_bytes + _MULTIPART_SLACK))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        is_upload = scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == FILES_PATH
-        await (self.upload if is_upload else self.default)(scope, receive, send)
+def upload_limits(max_body_bytes: int, max_file_bytes: int) -> dict[str, int]:
+    """``RequestContextMiddleware``'s body limit for ``POST /v1/files``:
+    ``max_file_bytes`` plus the multipart framing (the route checks the
+    file's exact size)."""
+    return {FILES_PATH: max(max_body_bytes, max_file_bytes + _MULTIPART_SLACK)}

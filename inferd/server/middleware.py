@@ -7,6 +7,8 @@ import json
 import re
 import uuid
 
+from collections.abc import Mapping
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = b"x-request-id"
@@ -16,11 +18,13 @@ _VALID_ID = re.compile(r"^[\w.:\-]{1,128}$")
 class RequestContextMiddleware:
     """Gives every request an id (the client's ``X-Request-Id`` when it is
     sane, else a fresh one), echoed in the response header, and refuses a
-    body over ``max_body_bytes`` with 413 before any route parses it."""
+    body over ``max_body_bytes`` with 413 before any route parses it.
+    ``upload_limits`` gives ``POST`` paths a limit of their own (file uploads)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, upload_limits: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.upload_limits = dict(upload_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,9 +40,12 @@ class RequestContextMiddleware:
                 message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]
             await send(message)
 
+        limit = self.max_body_bytes
+        if scope["method"] == "POST":
+            limit = self.upload_limits.get(scope["path"], limit)
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._too_large(send_with_id)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._too_large(send_with_id, limit)
             return
         # Read the whole body (bounded) so a chunked upload is held to the
         # same limit, then replay it to the app.
@@ -50,8 +57,8 @@ class RequestContextMiddleware:
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
-            if len(body) > self.max_body_bytes:
-                await self._too_large(send_with_id)
+            if len(body) > limit:
+                await self._too_large(send_with_id, limit)
                 return
         replayed = False
 
@@ -64,11 +71,12 @@ class RequestContextMiddleware:
 
         await self.app(scope, replay, send_with_id)
 
-    async def _too_large(self, send: Send) -> None:
+    @staticmethod
+    async def _too_large(send: Send, limit: int) -> None:
         payload = json.dumps(
             {
                 "error": {
-                    "message": f"request body is larger than the limit of {self.max_body_bytes} bytes",
+                    "message": f"request body is larger than the limit of {limit} bytes",
                     "type": "invalid_request_error",
                     "param": None,
                     "code": "request_too_large",
